@@ -1,0 +1,14 @@
+"""balancer: remove data-parallel stragglers on variable-length data.
+
+Data path per training step (see docs/design.md):
+
+1. batch (:class:`BaseBatch`) -> 2. per-sample workloads (``balancer.workloads``)
+-> 3. all-gather of workloads -> 4. partition in a background future
+(``balancer.partition``) -> 5. redistribution of samples between ranks
+(``balancer.shuffler``) -> 6. overlapped inside the train pipeline
+(``balancer.pipeline``).
+"""
+
+from balancer.batch import BaseBatch, pad_batch
+
+__all__ = ["BaseBatch", "pad_batch"]
