@@ -1,0 +1,46 @@
+"""The gloo harness itself: results come back per rank, failures and hangs surface."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import WorkerError, run_workers, run_workers_outcomes
+
+
+def _sum_ranks(rank: int, world_size: int) -> int:
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _fail_on_rank1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("bad input on rank 1")
+    return rank
+
+
+def _hang_on_rank0(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        time.sleep(60)  # keeps its connections open, so rank 0 truly hangs
+
+
+def test_results_per_rank() -> None:
+    assert run_workers(_sum_ranks, 3) == [6, 6, 6]
+
+
+def test_failures_are_reported_per_rank() -> None:
+    outs = run_workers_outcomes(_fail_on_rank1, 2)
+    assert outs[0] == 0
+    assert isinstance(outs[1], WorkerError) and outs[1].message == "bad input on rank 1"
+    with pytest.raises(AssertionError, match="1 rank\\(s\\) failed"):
+        run_workers(_fail_on_rank1, 2)
+
+
+def test_hang_becomes_timeout() -> None:
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
+        run_workers_outcomes(_hang_on_rank0, 2, timeout=3)
