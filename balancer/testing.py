@@ -1,0 +1,122 @@
+"""A small multi-process harness for code that issues real gloo collectives.
+
+Used by balancer's tests and benchmarks, and usable in users' own tests.
+
+Workers are *forked* (~0.1 s each; spawned workers re-import torch and torchrec,
+5-9 s), so a test launches once and loops over its sub-cases inside the worker.
+The worker function must be defined at module level and takes ``(rank,
+world_size, *args)``; it returns a picklable result (plain Python / numpy).
+
+``run_workers`` raises if any rank failed, with every rank's traceback;
+``run_workers_outcomes`` returns each rank's result or :class:`WorkerError`, for
+tests asserting that *every* rank raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerError:
+    """What a rank raised: exception type name, message and traceback text."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+__all__ = ["WorkerError", "free_port", "run_workers", "run_workers_outcomes"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], q: Any
+) -> None:
+    # One intra-op thread per rank: ranks share the machine's cores.
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        out: Any = fn(rank, world_size, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out = WorkerError(rank, type(e).__name__, str(e), traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    q.put((rank, out))
+
+
+def run_workers_outcomes(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    Returns:
+        Per rank, its return value or a :class:`WorkerError`.
+
+    Raises:
+        TimeoutError: if some rank has not finished after ``timeout`` seconds
+            (all ranks are then killed) -- a hang is a failure, never a wait.
+    """
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    timed_out = False
+    try:
+        for _ in range(world_size):
+            rank, out = q.get(timeout=timeout)
+            results[rank] = out
+    except queue.Empty as e:
+        timed_out = True
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(
+            f"ranks {missing} did not finish within {timeout}s; finished: {results}"
+        ) from e
+    finally:
+        for p in procs:
+            if not timed_out:
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """Like :func:`run_workers_outcomes` but raises if any rank raised."""
+    outs = run_workers_outcomes(fn, world_size, *args, timeout=timeout)
+    errors = [o for o in outs if isinstance(o, WorkerError)]
+    if errors:
+        text = "\n".join(f"--- rank {e.rank}: {e.type_name}: {e.message}\n{e.traceback}" for e in errors)
+        raise AssertionError(f"{len(errors)} rank(s) failed:\n{text}")
+    return outs
