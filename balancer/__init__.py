@@ -10,5 +10,26 @@ Data path per training step (see docs/design.md):
 """
 
 from balancer.batch import BaseBatch, pad_batch
+from balancer.workloads import (
+    Calibration,
+    HSTUAttentionCost,
+    PolynomialCost,
+    SelfAttentionCost,
+    TokenCount,
+    WorkloadFn,
+    calibrate,
+    fit_polynomial,
+)
 
-__all__ = ["BaseBatch", "pad_batch"]
+__all__ = [
+    "BaseBatch",
+    "Calibration",
+    "HSTUAttentionCost",
+    "PolynomialCost",
+    "SelfAttentionCost",
+    "TokenCount",
+    "WorkloadFn",
+    "calibrate",
+    "fit_polynomial",
+    "pad_batch",
+]
