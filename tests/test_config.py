@@ -1,0 +1,52 @@
+"""BalancerConfig: defaults, immutability and validation messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from balancer.config import BalancerConfig
+
+
+def test_defaults_are_plain_torchrec() -> None:
+    c = BalancerConfig()
+    assert c.enable_balanced_shuffler is False
+    assert (c.comm, c.partition, c.locality, c.log_interval, c.pipeline) == (
+        "all2all",
+        "balanced",
+        True,
+        0,
+        "sparse_dist",
+    )
+
+
+def test_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BalancerConfig().comm = "allgather"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("enable_balanced_shuffler", 1),
+        ("comm", "nccl"),
+        ("partition", "greedy"),
+        ("locality", "yes"),
+        ("log_interval", -1),
+        ("log_interval", True),
+        ("log_interval", 1.5),
+        ("pipeline", "semi_sync"),
+    ],
+)
+def test_invalid_value_names_field_and_value(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"{field}={value!r}"):
+        BalancerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_valid_choices() -> None:
+    for comm in ("all2all", "allgather"):
+        for partition in ("balanced", "karmarkar_karp"):
+            for pipeline in ("sparse_dist", "prefetch"):
+                c = BalancerConfig(True, comm, partition, False, 10, pipeline)
+                assert c.comm == comm and c.partition == partition and c.pipeline == pipeline

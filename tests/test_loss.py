@@ -1,0 +1,121 @@
+"""Global loss normalisation: placement of samples on ranks must not matter."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
+from balancer.testing import run_workers
+
+# 7 real samples spread over 2 ranks in different ways; each rank has B = 5 slots.
+LOSSES = [0.5, 1.25, 2.0, 0.125, 3.0, 0.75, 1.5]
+B = 5
+
+
+def _placements() -> list[tuple[list[int], list[int]]]:
+    """Sample indices on (rank 0, rank 1): every split with <= B per rank, shuffled."""
+    out = []
+    for n0 in range(len(LOSSES) - B, B + 1):  # 2..5 real samples on rank 0
+        perm = np.random.default_rng(n0).permutation(len(LOSSES)).tolist()
+        out.append((perm[:n0], perm[n0:]))
+    return out
+
+
+def _rank_tensor(indices: list[int]) -> torch.Tensor:
+    # Real samples first, padding after with a NaN loss: it must be masked out.
+    vals = [LOSSES[i] for i in indices] + [math.nan] * (B - len(indices))
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def _worker_mean(rank: int, world: int) -> list[tuple[float, float, list[float]]]:
+    """Per placement: the loss value, the DDP-averaged gradient, and the logged value."""
+    results = []
+    for placement in _placements():
+        mine = placement[rank]
+        x = _rank_tensor(mine).requires_grad_(True)
+        loss = global_mean_loss(x, len(mine))
+        loss.backward()
+        grad = x.grad
+        assert grad is not None
+        # DDP averages gradients: (1 / W) * sum over ranks; the sample's grad
+        # lives on the rank holding it, so scale by 1 / W to mimic the average.
+        per_sample_grad = [float(g) / world for g in grad[: len(mine)]]
+        full = [0.0] * len(LOSSES)
+        for i, g in zip(mine, per_sample_grad, strict=True):
+            full[i] = g
+        results.append((float(loss), global_loss_value(loss), full))
+    return results
+
+
+def test_global_mean_matches_single_process_mean_for_any_placement() -> None:
+    outs = run_workers(_worker_mean, 2)
+    expected = sum(LOSSES) / len(LOSSES)
+    n = len(_placements())
+    assert n == 4
+    for p in range(n):
+        (l0, v0, g0), (l1, v1, g1) = outs[0][p], outs[1][p]
+        # "mean" convention: the average of the ranks' losses is the global mean.
+        assert (l0 + l1) / 2 == pytest.approx(expected, rel=1e-6)
+        assert v0 == v1 == pytest.approx(expected, rel=1e-6)
+        # Every sample's (DDP-averaged) gradient is 1 / N, wherever it lives.
+        grads = [a + b for a, b in zip(g0, g1, strict=True)]
+        assert grads == pytest.approx([1 / len(LOSSES)] * len(LOSSES), rel=1e-6)
+
+
+def _worker_variants(rank: int, world: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    # "sum" convention: the *sum* over ranks is the global mean.
+    x = torch.tensor([1.0, 3.0] if rank == 0 else [2.0, 100.0])
+    out["sum"] = float(global_mean_loss(x, 2 if rank == 0 else 1, grad_reduction="sum"))
+    # Weighted (per-token) mean: sum(w l) / sum(w) over both ranks.
+    losses = torch.tensor([1.0, 2.0, math.inf] if rank == 0 else [4.0, 8.0, 0.0])
+    weights = torch.tensor([1.0, 1.0, 0.0] if rank == 0 else [0.5, 0.5, 1.0])
+    out["weighted"] = global_loss_value(global_weighted_mean_loss(losses, weights))
+    # A step made only of padding on every rank: zero loss, finite gradient.
+    z = torch.zeros(3, requires_grad=True)
+    zl = global_mean_loss(z, 0)
+    zl.backward()
+    assert z.grad is not None
+    out["empty"] = float(zl)
+    out["empty_grad_finite"] = float(bool(torch.isfinite(z.grad).all()))
+    return out
+
+
+def test_sum_convention_weighted_and_empty() -> None:
+    r0, r1 = run_workers(_worker_variants, 2)
+    assert r0["sum"] + r1["sum"] == pytest.approx((1 + 3 + 2) / 3)
+    expected_weighted = (1 + 2 + 0.5 * 4 + 0.5 * 8 + 0.0) / (2 + 2)
+    assert r0["weighted"] == r1["weighted"] == pytest.approx(expected_weighted)
+    assert r0["empty"] == r1["empty"] == 0.0
+    assert r0["empty_grad_finite"] == r1["empty_grad_finite"] == 1.0
+
+
+def test_single_process_without_distributed() -> None:
+    x = torch.tensor([1.0, 2.0, 6.0, math.nan])
+    assert float(global_mean_loss(x, 3)) == pytest.approx(3.0)
+    assert global_loss_value(global_mean_loss(x, 3)) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((torch.zeros(2, 2), 1), r"per_sample_loss shape \(2, 2\)"),
+        ((torch.zeros(3), 4), r"num_real=4, expected an int in \[0, 3\]"),
+        ((torch.zeros(3), -1), r"num_real=-1"),
+        ((torch.zeros(3), True), r"num_real=True"),
+    ],
+)
+def test_invalid_arguments(args: tuple[torch.Tensor, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        global_mean_loss(*args)
+
+
+def test_invalid_reduction_and_weights() -> None:
+    with pytest.raises(ValueError, match=r"grad_reduction='avg'"):
+        global_mean_loss(torch.zeros(3), 3, grad_reduction="avg")
+    with pytest.raises(ValueError, match=r"weights shape \(2,\)"):
+        global_weighted_mean_loss(torch.zeros(3), torch.zeros(2))
