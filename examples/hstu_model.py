@@ -5,14 +5,16 @@
 1. ``EmbeddingCollection`` (sharded by ``DistributedModelParallel``) looks up an
    item and an action embedding per history position; they are summed.
 2. :class:`HSTUEncoder`: ``num_layers`` causal HSTU layers over each user's
-   history, padded to the batch's longest history with a mask. Per layer::
+   jagged history (token-wise projections on all tokens at once, attention
+   sample by sample, no padding). Per layer::
 
        U, V, Q, K = split(silu(W1 norm(x)))
-       A = silu(Q K^T) / max_seqlen * causal_mask * valid_mask
+       A = tril(silu(Q K^T)) / max_seqlen
        x = x + W2 (norm(A V) * U)
 
-   The user representation is the output at the last history position. Its
-   cost grows with ``L**2``: long histories make a rank slow.
+   The user representation is the output at the last history position. The
+   attention costs ``~L**2`` per sample: a rank that draws long histories is
+   slow, and its cost is what ``HSTUAttentionCost`` estimates.
 3. :class:`RankingHead`: MLP over ``[user, dense]`` -> one logit; per-sample
    binary cross-entropy normalised by the *global* number of real samples
    (:func:`balancer.loss.global_mean_loss`), so moving samples between ranks
@@ -20,11 +22,12 @@
 
 TorchRec's pipeline fx-traces :meth:`HSTURanker.forward` to find the input of
 the sharded ``EmbeddingCollection``. Submodules without a sharded child are
-leaves of that trace, so the data-dependent code (padding to the batch's
-longest history, the loss's all-reduce) lives inside the leaf modules
-``HSTUEncoder`` and ``RankingHead`` and the top-level forward only routes.
-Every sample's result depends on that sample alone: dividing by the constant
-``max_seqlen`` (not the batch's longest history) keeps padding out of it.
+leaves of that trace, so the data-dependent code (the per-sample loop, the
+loss's all-reduce) lives inside the leaf modules ``HSTUEncoder`` and
+``RankingHead`` and the top-level forward only routes. (Data-dependent code
+called directly in the top-level forward would need ``torch.fx.wrap``.)
+Every sample's result depends on that sample alone (the attention divides by
+the constant ``max_seqlen``), so moving it to another rank does not change it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from balancer.loss import global_mean_loss
 
 
 class HSTULayer(nn.Module):
-    """One HSTU layer on padded sequences ``[B, L, d]`` with a validity mask."""
+    """One HSTU layer on jagged sequences: token-wise work on all ``[T, d]``
+    tokens at once, causal attention per sample (cost ``~L**2`` each)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, linear_dim: int, max_seqlen: int) -> None:
         super().__init__()
@@ -52,20 +56,20 @@ class HSTULayer(nn.Module):
         self.norm_attn = nn.LayerNorm(num_heads * linear_dim)
         self.out = nn.Linear(num_heads * linear_dim, dim)
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         h, da, dl = self.h, self.da, self.dl
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split([h * dl, h * dl, h * da, h * da], -1)
-        q = q.view(b, n, h, da).transpose(1, 2)
-        k = k.view(b, n, h, da).transpose(1, 2)
-        v = v.view(b, n, h, dl).transpose(1, 2)
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        allowed = causal.unsqueeze(0) & valid.unsqueeze(1)  # [B, L, L], key j valid and j <= i
-        scores = F.silu(q @ k.transpose(-1, -2)) / self.max_seqlen
-        scores = scores * allowed.unsqueeze(1).to(scores.dtype)
-        attn = (scores @ v).transpose(1, 2).reshape(b, n, h * dl)
-        y = self.out(self.norm_attn(attn) * u)
-        return x + y * valid.unsqueeze(-1).to(y.dtype)
+        attn = []
+        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+            n = qs.shape[0]
+            if n == 0:  # a padding sample
+                continue
+            qh, kh, vh = (t.view(n, h, -1).transpose(0, 1) for t in (qs, ks, vs))  # [H, n, *]
+            scores = F.silu(qh @ kh.transpose(-1, -2)) / self.max_seqlen
+            scores = scores.tril()  # causal: position i attends to j <= i
+            attn.append((scores @ vh).transpose(0, 1).reshape(n, h * dl))
+        a = torch.cat(attn) if attn else x.new_zeros(0, h * dl)
+        return x + self.out(self.norm_attn(a) * u)
 
 
 class HSTUEncoder(nn.Module):
@@ -81,19 +85,16 @@ class HSTUEncoder(nn.Module):
 
     def forward(self, items: JaggedTensor, actions: JaggedTensor) -> torch.Tensor:
         lengths = items.lengths().to(torch.int64)
-        values = items.values() + actions.values()
-        b, d = lengths.numel(), values.shape[-1]
-        n = max(int(lengths.max()) if b else 0, 1)
-        # Scatter the jagged [T, d] values into [B, n, d]; position p of sample s.
-        offsets = torch.cumsum(lengths, 0) - lengths
-        sample = torch.repeat_interleave(torch.arange(b, device=values.device), lengths)
-        pos = torch.arange(values.shape[0], device=values.device) - offsets[sample]
-        x = values.new_zeros(b, n, d).index_put((sample, pos), values)
-        valid = torch.arange(n, device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
+        x = items.values() + actions.values()  # [T, d]
+        sizes = lengths.tolist()  # per-sample attention is data-dependent: a leaf module
         for layer in self.layers:
-            x = layer(x, valid)
-        last = (lengths - 1).clamp(min=0)
-        return x[torch.arange(b, device=x.device), last]
+            x = layer(x, sizes)
+        # The user representation: the output at each history's last position.
+        user = x.new_zeros(lengths.numel(), x.shape[1])
+        has = lengths > 0
+        last = torch.cumsum(lengths, 0) - 1
+        user[has] = x[last[has]]
+        return user
 
 
 class RankingHead(nn.Module):
