@@ -1,0 +1,450 @@
+"""Pure, rank-local planning of a shuffle: wire layout, agreement, redistribution.
+
+Nothing here communicates. Every function is deterministic in its arguments, so
+a test can run it for every rank in one process, and every rank that sees the
+same gathered metadata takes the same decision -- the property that keeps the
+collectives of :mod:`balancer._comm` matched across ranks.
+
+* :class:`WireLayout` -- how a batch's tensors are cut into per-sample byte
+  segments, and a fingerprint of the schema that every rank must share.
+* :func:`decide` -- reads the gathered phase-1 headers: proceed, re-agree on a
+  new batch size / schema, or raise the same error on every rank.
+* :func:`plan_rank` -- from a partition, what this rank sends where, how much it
+  receives from whom, and in which order the output lists its samples.
+* :func:`partition_task` -- partition, locality refinement and plan: the work of
+  the shuffler's background thread (numpy only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from time import perf_counter
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from balancer.batch import BaseBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Agreement",
+    "Outcome",
+    "PartitionFn",
+    "RankPlan",
+    "Status",
+    "Verdict",
+    "WireLayout",
+    "decide",
+    "destinations",
+    "partition_task",
+    "plan_rank",
+    "simple_lower_bound",
+    "validate_partition",
+    "wire_layout",
+]
+
+PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
+"""``(workloads [N], num_parts) -> num_parts`` lists of ``N / num_parts`` global
+indices; must be deterministic: every rank runs it on identical input."""
+
+# ------------------------------------------------------------------ layout
+_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
+
+
+@dataclasses.dataclass(frozen=True)
+class KJTSpec:
+    """One KJT field: ``keys`` own rows ``[row, row + len(keys))`` of the
+    fused ``[K_total, B]`` lengths matrix."""
+
+    name: str
+    keys: tuple[str, ...]
+    row: int
+    lengths_dtype: torch.dtype
+    values_dtype: torch.dtype
+    weights_dtype: torch.dtype | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """One dense field ``[B, *shape]``; a sample is one row of ``row_bytes``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    row_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A contiguous run of columns holding one tensor: a KJT field's values or
+    weights (one column per key) or a dense field (one column)."""
+
+    field: str
+    kind: Literal["values", "weights", "dense"]
+    dtype: torch.dtype
+    first: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+    """How a batch travels: columns of per-sample byte segments.
+
+    Column ``c`` of sample ``i`` holds ``units[i, c]`` packing units of
+    ``unit`` bytes: for a KJT column, ``lengths[row_of[c], i] * mult[c]``; for a
+    dense column, the fixed ``mult[c]`` (``row_of[c] == num_lengths``).
+    Sections are ordered by decreasing item size, so every section of a packed
+    buffer starts at an offset aligned for its dtype.
+
+    Attributes:
+        batch_size: samples per batch, B.
+        kjts: KJT fields in declaration order.
+        dense: dense fields in declaration order.
+        sections: column groups in packing order.
+        row_of: per column, its row in the lengths matrix (``num_lengths`` for
+            dense columns).
+        mult: per column, units per element (KJT) or per row (dense).
+        unit: bytes per packing unit (the smallest item size, a power of two).
+        num_lengths: K_total, rows of the fused lengths matrix.
+        fingerprint: int64 hash of the schema; equal on every rank.
+    """
+
+    batch_size: int
+    kjts: tuple[KJTSpec, ...]
+    dense: tuple[DenseSpec, ...]
+    sections: tuple[Section, ...]
+    row_of: tuple[int, ...]
+    mult: tuple[int, ...]
+    unit: int
+    num_lengths: int
+    fingerprint: int
+
+    @property
+    def unit_dtype(self) -> torch.dtype:
+        """A dtype of ``unit`` bytes (raw bits are copied, never computed on)."""
+        return _UNIT_DTYPES[self.unit]
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.row_of)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def wire_layout(batch: BaseBatch) -> WireLayout:
+    """The wire layout and schema fingerprint of ``batch``.
+
+    The fingerprint covers the batch class, batch size, every KJT field's name,
+    keys, lengths/values/weights dtypes, and every dense field's name, dtype and
+    per-sample shape: two ranks whose batches could not be merged sample by
+    sample have different fingerprints.
+    """
+    b = batch.batch_size
+    kjts: list[KJTSpec] = []
+    row = 0
+    for name, kjt in batch.kjt_fields().items():
+        w = kjt.weights_or_none()
+        keys = tuple(kjt.keys())
+        kjts.append(
+            KJTSpec(name, keys, row, kjt.lengths().dtype, kjt.values().dtype,
+                    None if w is None else w.dtype)
+        )
+        row += len(keys)
+    dense = [
+        DenseSpec(n, t.dtype, tuple(t.shape[1:]), int(np.prod(t.shape[1:], dtype=np.int64)) * _itemsize(t.dtype))
+        for n, t in batch.dense_fields().items()
+    ]
+    # (item size, field, kind, dtype, rows or None for dense, dense row bytes)
+    raw: list[tuple[int, str, Literal["values", "weights", "dense"], torch.dtype, range | None, int]] = []
+    for s in kjts:
+        key_rows = range(s.row, s.row + len(s.keys))
+        raw.append((_itemsize(s.values_dtype), s.name, "values", s.values_dtype, key_rows, 0))
+        if s.weights_dtype is not None:
+            raw.append((_itemsize(s.weights_dtype), s.name, "weights", s.weights_dtype, key_rows, 0))
+    for d in dense:
+        raw.append((_itemsize(d.dtype), d.name, "dense", d.dtype, None, d.row_bytes))
+    raw.sort(key=lambda r: -r[0])  # stable: declaration order within one item size
+    unit = min((r[0] for r in raw), default=8)
+    sections: list[Section] = []
+    row_of: list[int] = []
+    mult: list[int] = []
+    for size, name, kind, dtype, rows, row_bytes in raw:
+        first = len(row_of)
+        if rows is None:
+            row_of.append(row)
+            mult.append(row_bytes // unit)
+        else:
+            row_of.extend(rows)
+            mult.extend([size // unit] * len(rows))
+        sections.append(Section(name, kind, dtype, first, len(row_of) - first))
+    schema = repr((type(batch).__module__, type(batch).__qualname__, b,
+                   [(s.name, s.keys, str(s.lengths_dtype), str(s.values_dtype), str(s.weights_dtype))
+                    for s in kjts],
+                   [(d.name, str(d.dtype), d.shape) for d in dense]))
+    fp = int.from_bytes(hashlib.blake2b(schema.encode(), digest_size=8).digest(), "little", signed=True)
+    return WireLayout(b, tuple(kjts), tuple(dense), tuple(sections), tuple(row_of), tuple(mult),
+                      unit, row, fp)
+
+
+# --------------------------------------------------------------- agreement
+HEADER_LEN = 8
+"""int64 entries of a phase-1 header: magic, status, batch size, fingerprint,
+real samples, detail, payload length, reserved."""
+MAGIC = 0x62616C616E6301  # "balanc" + protocol version 1
+H_MAGIC, H_STATUS, H_BATCH, H_FP, H_REAL, H_DETAIL, H_SIZE = range(7)
+
+
+class Status:
+    """Bits of a header's status word (0: the rank's input is valid)."""
+
+    BAD_INPUT = 1  # detected on the host: batch type, workload shape/dtype, exception
+    NEGATIVE = 2  # a real sample's workload is < 0 (detail: its index)
+    NONFINITE = 4  # a real sample's workload is NaN or infinite (detail: its index)
+    BAD_REAL = 8  # actual_batch_size outside [0, batch_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on: the phase-1 payload is sized from it."""
+
+    batch_size: int
+    fingerprint: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of :func:`decide`; identical on every rank for the same headers.
+
+    ``kind``: ``"ok"`` (payload valid), ``"retry"`` (every rank moved to the same
+    new ``agreement``; gather again), ``"error"`` (raise ``message``, naming
+    ``offenders``).
+    """
+
+    kind: Literal["ok", "retry", "error"]
+    agreement: Agreement | None = None
+    message: str = ""
+    offenders: tuple[int, ...] = ()
+
+
+def _status_text(r: int, h: np.ndarray) -> str:
+    st, detail = int(h[H_STATUS]), int(h[H_DETAIL])
+    out = []
+    if st & Status.BAD_INPUT:
+        out.append(f"rank {r}: invalid batch or workload_fn output (details in rank {r}'s error)")
+    if st & Status.BAD_REAL:
+        out.append(f"rank {r}: actual_batch_size={int(h[H_REAL])}, expected 0 <= "
+                   f"actual_batch_size <= batch_size={int(h[H_BATCH])}")
+    if st & Status.NEGATIVE:
+        out.append(f"rank {r}: workloads[{detail}] < 0, expected workloads >= 0 for real samples")
+    if st & Status.NONFINITE:
+        out.append(f"rank {r}: workloads[{detail}] is NaN or infinite, expected finite values")
+    return "; ".join(out)
+
+
+def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
+    """Decide from the gathered headers ``[W, HEADER_LEN]`` what every rank does.
+
+    Example (W=2, agreed batch size 4)::
+
+        rank0 header: status 0, batch 4    rank1 header: status 0, batch 4  -> ok
+        rank0 header: status 0, batch 6    rank1 header: status 0, batch 6  -> retry(6)
+        rank0 header: status 0, batch 4    rank1 header: status 0, batch 6  -> error [1]
+        rank0 header: status 0, batch 4    rank1 header: NEGATIVE at 2      -> error [1]
+
+    Args:
+        headers: [W, HEADER_LEN] int64, row r from rank r.
+        agreed: the agreement the payload was sized from, ``None`` before the
+            first one (header-only exchange).
+
+    Returns:
+        The :class:`Verdict`.
+    """
+    w = headers.shape[0]
+    bad_magic = [r for r in range(w) if int(headers[r, H_MAGIC]) != MAGIC]
+    if bad_magic:
+        return Verdict("error", message=f"ranks {bad_magic} sent an unrecognised shuffle header "
+                       "(a different balancer version, or shuffles issued in a different order)",
+                       offenders=tuple(bad_magic))
+    bad = [r for r in range(w) if int(headers[r, H_STATUS]) != 0]
+    if bad:
+        text = "; ".join(_status_text(r, headers[r]) for r in bad)
+        return Verdict("error", message=f"invalid shuffle input on rank(s) {bad}: {text}",
+                       offenders=tuple(bad))
+    schemas = [Agreement(int(headers[r, H_BATCH]), int(headers[r, H_FP])) for r in range(w)]
+    if len(set(schemas)) == 1:
+        if schemas[0] == agreed:
+            return Verdict("ok", agreed)
+        return Verdict("retry", schemas[0])
+    expected = agreed if agreed is not None and agreed in schemas else schemas[0]
+    off = [r for r in range(w) if schemas[r] != expected]
+    parts = []
+    for r in off:
+        s = schemas[r]
+        if s.batch_size != expected.batch_size:
+            parts.append(f"rank {r}: batch_size={s.batch_size}, expected {expected.batch_size}")
+        else:
+            parts.append(f"rank {r}: batch schema fingerprint {s.fingerprint:#x}, expected "
+                         f"{expected.fingerprint:#x} (batch class, KJT keys/dtypes or dense "
+                         "shapes/dtypes differ)")
+    return Verdict("error", message=f"batch mismatch on rank(s) {off}: " + "; ".join(parts),
+                   offenders=tuple(off))
+
+
+# ---------------------------------------------------------- redistribution
+def validate_partition(
+    parts: Sequence[Sequence[int]] | Sequence[np.ndarray], num_parts: int, batch_size: int
+) -> list[np.ndarray]:
+    """Check that ``parts`` splits ``range(num_parts * batch_size)`` into
+    ``num_parts`` parts of exactly ``batch_size`` indices.
+
+    Returns:
+        The parts as int64 arrays.
+
+    Raises:
+        ValueError: naming the offending part and the expectation.
+    """
+    n = num_parts * batch_size
+    if len(parts) != num_parts:
+        raise ValueError(f"partition returned {len(parts)} parts, expected num_parts={num_parts}")
+    out = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+    for r, p in enumerate(out):
+        if p.size != batch_size:
+            raise ValueError(f"partition part {r} has {p.size} indices, expected batch_size={batch_size}")
+    flat = np.concatenate(out) if out else np.empty(0, np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= n):
+        raise ValueError(f"partition indices span [{flat.min()}, {flat.max()}], expected [0, {n})")
+    if np.bincount(flat, minlength=n).max(initial=1) != 1:
+        raise ValueError(f"partition is not a permutation of range({n}): an index repeats")
+    return out
+
+
+def destinations(parts: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """``dest[g]``: the rank that gets global sample ``g`` (``g = rank * B + i``)."""
+    dest = np.empty(n, dtype=np.int64)
+    for r, p in enumerate(parts):
+        dest[p] = r
+    return dest
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """What one rank does in phase 2.
+
+    Attributes:
+        rank: this rank.
+        send_order: [sum(send_counts)] local indices of this rank's real samples,
+            grouped by destination rank (ascending; this rank's own group,
+            the samples that stay, at position ``rank``), ascending within a
+            group.
+        send_counts: [W] samples per destination, ``send_counts[rank]`` stay.
+        recv_counts: [W] samples per source, ``recv_counts[rank]`` stayed.
+        sources: [M] global indices of the real samples of the output, in
+            output order (ascending: by source rank, then local index).
+    """
+
+    rank: int
+    send_order: np.ndarray
+    send_counts: np.ndarray
+    recv_counts: np.ndarray
+    sources: np.ndarray
+
+    @property
+    def num_out(self) -> int:
+        """Real samples in this rank's output."""
+        return int(self.sources.size)
+
+
+def plan_rank(dest: np.ndarray, batch_size: int, real: np.ndarray, rank: int) -> RankPlan:
+    """Plan phase 2 for ``rank``; padding is never sent.
+
+    Example (W=2, B=3, ``real = [3, 2]``, so global sample 5 is padding;
+    ``dest = [0, 1, 1, 0, 0, 1]``)::
+
+        rank0: send_order [0, 1, 2]  send_counts [1, 2]  recv_counts [1, 2]  sources [0, 3, 4]
+        rank1: send_order [0, 1]     send_counts [2, 0]  recv_counts [2, 0]  sources [1, 2]
+
+    Rank 0 keeps sample 0 and sends its samples 1, 2 to rank 1; rank 1 sends
+    its samples 0, 1 (global 3, 4) to rank 0. What r sends to d always equals
+    what d expects from r.
+
+    Args:
+        dest: [W * B] destination rank of every global sample.
+        batch_size: B.
+        real: [W] real samples per rank (the first ``real[r]`` of rank r).
+        rank: the rank to plan for.
+    """
+    w = real.size
+    mine = dest[rank * batch_size : rank * batch_size + int(real[rank])]
+    send_order = np.argsort(mine, kind="stable").astype(np.int64)
+    send_counts = np.bincount(mine, minlength=w).astype(np.int64)
+    local = np.arange(dest.size, dtype=np.int64) % batch_size
+    is_real = local < np.repeat(real.astype(np.int64), batch_size)
+    sources = np.flatnonzero(is_real & (dest == rank)).astype(np.int64)
+    recv_counts = np.bincount(sources // batch_size, minlength=w).astype(np.int64)
+    return RankPlan(rank, send_order, send_counts, recv_counts, sources)
+
+
+# ------------------------------------------------------------ partition task
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """Result of the partition thread (host data only)."""
+
+    dest: np.ndarray  # [W * B] destination rank per global sample
+    plan: RankPlan
+    lower_bound: float
+    seconds: float
+
+
+def simple_lower_bound(workloads: np.ndarray, num_parts: int) -> float:
+    """``max(mean load, largest workload)``: no partition does better."""
+    return float(max(workloads.sum() / num_parts, workloads.max(initial=0)))
+
+
+def _max_load(parts: list[np.ndarray], workloads: np.ndarray) -> int:
+    return max((int(workloads[p].sum()) for p in parts), default=0)
+
+
+def partition_task(workloads: np.ndarray, sizes: np.ndarray, real: np.ndarray, rank: int,
+                   partition: PartitionFn, localize: Callable[..., Any] | None,
+                   bound: Callable[[np.ndarray, int], float]) -> Outcome:
+    """Partition, refine for locality, plan ``rank``'s phase 2.
+
+    Runs in the shuffler's thread: numpy in, numpy out, no device memory.
+
+    Args:
+        workloads: [W * B] by global index, 0 for padding.
+        sizes: [W * B] bytes by global index, 0 for padding.
+        real: [W] real samples per rank.
+        rank: this rank.
+        partition: the partitioner.
+        localize: ``balancer.partition.localize`` or ``None`` (placement-blind).
+        bound: lower bound of the max load.
+    """
+    with record_function("## balancer.shuffle.partition ##"):
+        t0 = perf_counter()
+        w = real.size
+        b = workloads.size // w
+        parts = validate_partition(partition(workloads, w), w, b)
+        if localize is not None:
+            home = np.arange(workloads.size, dtype=np.int64) // b
+            moved = localize([p.tolist() for p in parts], workloads, home, sizes)
+            local = validate_partition(moved, w, b)
+            if _max_load(local, workloads) <= _max_load(parts, workloads):
+                parts = local
+            else:
+                logger.warning("localize raised the max load; keeping the partition as returned")
+        stay = [np.arange(r * b, (r + 1) * b, dtype=np.int64) for r in range(w)]
+        if _max_load(parts, workloads) > _max_load(stay, workloads):
+            parts = stay  # never worsen the max load: then nothing moves
+        dest = destinations(parts, workloads.size)
+        plan = plan_rank(dest, b, real, rank)
+        lb = float(bound(workloads, w))
+        return Outcome(dest, plan, lb, perf_counter() - t0)

@@ -1,0 +1,243 @@
+"""What a rank measures: its phase-1 input, and the statistics of a shuffle.
+
+* :func:`local_input` -- this rank's workloads and per-sample bytes, validated
+  without raising: a problem becomes an error status in the phase-1 header, so
+  the rank still joins the all-gather and every rank can raise together.
+* :class:`ShuffleStats` -- balance before/after, time per phase, traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from balancer._comm import Traffic, sample_bytes
+from balancer._plan import (
+    H_DETAIL,
+    H_SIZE,
+    H_STATUS,
+    HEADER_LEN,
+    MAGIC,
+    Agreement,
+    Status,
+    wire_layout,
+)
+from balancer.batch import BaseBatch
+
+__all__ = ["LocalInput", "ShuffleStats", "build_stats", "format_stats", "local_input"]
+
+
+@dataclasses.dataclass
+class LocalInput:
+    """This rank's phase-1 input, validated without raising."""
+
+    header: list[int]
+    device: torch.device
+    workloads: torch.Tensor | None = None  # [B] int64
+    sizes: torch.Tensor | None = None  # [B] int64
+    flags: torch.Tensor | None = None  # [2]: device-detected status bits, detail
+    error: str = ""
+    cause: BaseException | None = None
+
+    def message(self, agreed: Agreement | None) -> torch.Tensor:
+        """Header + payload sized from ``agreed``; zeros when this rank's input is
+        not usable under ``agreed`` (the size never depends on local data)."""
+        size = agreed.batch_size if agreed is not None else 0
+        header = list(self.header)
+        header[H_SIZE] = size
+        msg = torch.zeros(HEADER_LEN + 2 * size, dtype=torch.int64, device=self.device)
+        msg[:HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
+        if self.flags is not None:
+            msg[H_STATUS : H_STATUS + 1].bitwise_or_(self.flags[:1])
+            msg[H_DETAIL : H_DETAIL + 1].copy_(self.flags[1:])
+        usable = agreed == Agreement(header[2], header[3]) and not self.error
+        if usable and self.workloads is not None and self.sizes is not None:
+            msg[HEADER_LEN : HEADER_LEN + size] = self.workloads
+            msg[HEADER_LEN + size :] = self.sizes
+        return msg
+
+
+def _default_device(pg: Any) -> torch.device:
+    if pg is not None and dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_input(batch: Any, workload_fn: Callable[[Any], Any], rank: int, pg: Any) -> LocalInput:
+    """Validate ``batch`` and its workloads; errors go into the header."""
+    if not isinstance(batch, BaseBatch):
+        msg = f"batch is a {type(batch).__name__}, expected a BaseBatch (rank {rank})"
+        return LocalInput([MAGIC, Status.BAD_INPUT, -1, 0, 0, -1, 0, 0], _default_device(pg), error=msg)
+    b, real = batch.batch_size, int(batch.actual_batch_size or 0)
+    layout = wire_layout(batch)
+    local = LocalInput([MAGIC, 0, b, layout.fingerprint, real, -1, 0, 0], batch.device)
+    if not 0 <= real <= b:
+        local.header[H_STATUS] |= Status.BAD_REAL
+        local.error = f"actual_batch_size={real}, expected 0 <= actual_batch_size <= {b} (rank {rank})"
+        return local
+    try:
+        w = torch.as_tensor(workload_fn(batch))
+    except Exception as e:  # reported on every rank, re-raised here as the cause
+        local.header[H_STATUS] |= Status.BAD_INPUT
+        local.error, local.cause = f"workload_fn raised {type(e).__name__}: {e} (rank {rank})", e
+        return local
+    if w.dim() != 1 or w.numel() != b or w.is_complex() or w.dtype == torch.bool:
+        local.header[H_STATUS] |= Status.BAD_INPUT
+        local.error = (f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, expected "
+                       f"[batch_size={b}] of an integer or floating dtype (rank {rank})")
+        return local
+    if batch.device.type == "cpu":  # free to check on the host, a sync on CUDA
+        for name, kjt in batch.kjt_fields().items():
+            n, wt = int(kjt.lengths().sum()), kjt.weights_or_none()
+            if kjt.values().numel() != n or (wt is not None and wt.numel() != n):
+                local.header[H_STATUS] |= Status.BAD_INPUT
+                local.error = f"{name}: values/weights size != sum(lengths)={n} (rank {rank})"
+                return local
+    w = w.to(batch.device)[:real]
+    bad_neg = w < 0
+    bad_nan = ~torch.isfinite(w) if w.is_floating_point() else torch.zeros_like(bad_neg)
+    bad = bad_neg | bad_nan
+    status = bad_neg.any().long() * Status.NEGATIVE + bad_nan.any().long() * Status.NONFINITE
+    first = torch.where(bad.any(), bad.long().argmax() if real else bad.new_zeros((), dtype=torch.long), -1)
+    local.flags = torch.stack([status, first])
+    clean = torch.where(bad, torch.zeros_like(w), w)
+    local.workloads = torch.zeros(b, dtype=torch.int64, device=batch.device)
+    local.workloads[:real] = clean.round().long() if clean.is_floating_point() else clean.long()
+    local.sizes = sample_bytes(batch, layout)
+    return local
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleStats:
+    """Statistics of one finished shuffle, seen from one rank.
+
+    Loads are sums of real samples' workloads (padding counts 0). Balance
+    numbers are global (equal on every rank); traffic is this rank's.
+
+    Attributes:
+        seq: the handle's sequence number on this shuffler.
+        world_size: W.
+        rank: this rank.
+        comm: ``"all2all"``, ``"allgather"`` or ``"identity"``.
+        load_before: [W] per-rank load of the input batches.
+        load_after: [W] per-rank load of the output batches.
+        max_before: ``max(load_before)``.
+        mean_before: ``mean(load_before)``.
+        max_after: ``max(load_after)``.
+        mean_after: ``mean(load_after)`` (equal to ``mean_before``).
+        lower_bound: no partition with B samples per rank has a smaller max load.
+        partition_s: seconds the partition (and locality refinement) took in
+            the background thread.
+        phase1_s: wall seconds of phase 1 (workloads, all-gather, submit).
+        phase2_s: wall seconds of phase 2 (wait for partition, redistribute).
+        samples_sent: real samples this rank sent to other ranks.
+        samples_received: real samples this rank received from other ranks.
+        bytes_sent: bytes this rank sent to other ranks.
+        bytes_received: bytes this rank received from other ranks.
+        moved_fraction: fraction of all ranks' real samples that changed rank
+            (0 when there are none).
+    """
+
+    seq: int
+    world_size: int
+    rank: int
+    comm: str
+    load_before: list[int]
+    load_after: list[int]
+    max_before: float
+    mean_before: float
+    max_after: float
+    mean_after: float
+    lower_bound: float
+    partition_s: float
+    phase1_s: float
+    phase2_s: float
+    samples_sent: int
+    samples_received: int
+    bytes_sent: int
+    bytes_received: int
+    moved_fraction: float
+
+    @property
+    def imbalance_before(self) -> float:
+        """``max_before / mean_before`` (1.0 is perfect; 1.0 when idle)."""
+        return self.max_before / self.mean_before if self.mean_before else 1.0
+
+    @property
+    def imbalance_after(self) -> float:
+        """``max_after / mean_after`` (1.0 is perfect; 1.0 when idle)."""
+        return self.max_after / self.mean_after if self.mean_after else 1.0
+
+
+def build_stats(
+    *,
+    seq: int,
+    rank: int,
+    comm: str,
+    workloads: np.ndarray,
+    dest: np.ndarray,
+    real: np.ndarray,
+    lower_bound: float,
+    partition_s: float,
+    phase1_s: float,
+    phase2_s: float,
+    traffic: Traffic,
+) -> ShuffleStats:
+    """Assemble :class:`ShuffleStats`.
+
+    Args:
+        workloads: [W * B] workloads by global index, 0 for padding.
+        dest: [W * B] destination rank by global index.
+        real: [W] real samples per rank.
+    """
+    w = real.size
+    b = workloads.size // w if w else 0
+    before = workloads.reshape(w, b).sum(axis=1) if b else np.zeros(w, np.int64)
+    after = np.zeros(w, dtype=np.int64)
+    np.add.at(after, dest, workloads)
+    local = np.arange(dest.size) % b if b else np.zeros(0, np.int64)
+    home = np.arange(dest.size) // b if b else np.zeros(0, np.int64)
+    is_real = local < np.repeat(real, b)
+    total_real = int(is_real.sum())
+    moved = int((is_real & (dest != home)).sum())
+    return ShuffleStats(
+        seq=seq,
+        world_size=int(w),
+        rank=rank,
+        comm=comm,
+        load_before=[int(x) for x in before],
+        load_after=[int(x) for x in after],
+        max_before=float(before.max(initial=0)),
+        mean_before=float(before.mean()) if w else 0.0,
+        max_after=float(after.max(initial=0)),
+        mean_after=float(after.mean()) if w else 0.0,
+        lower_bound=float(lower_bound),
+        partition_s=partition_s,
+        phase1_s=phase1_s,
+        phase2_s=phase2_s,
+        samples_sent=traffic.samples_sent,
+        samples_received=traffic.samples_received,
+        bytes_sent=traffic.bytes_sent,
+        bytes_received=traffic.bytes_received,
+        moved_fraction=moved / total_real if total_real else 0.0,
+    )
+
+
+def format_stats(s: ShuffleStats) -> str:
+    """One log line for ``s``."""
+    return (
+        f"shuffle #{s.seq} ({s.comm}, W={s.world_size}): max/mean load "
+        f"{s.max_before:.4g}/{s.mean_before:.4g} -> {s.max_after:.4g}/{s.mean_after:.4g} "
+        f"(imbalance {s.imbalance_before:.3f} -> {s.imbalance_after:.3f}, lower bound "
+        f"{s.lower_bound:.4g}); moved {100 * s.moved_fraction:.1f}% of samples; rank {s.rank} "
+        f"sent {s.samples_sent} samples / {s.bytes_sent} B, received {s.samples_received} / "
+        f"{s.bytes_received} B; phase1 {1e3 * s.phase1_s:.2f} ms, partition "
+        f"{1e3 * s.partition_s:.2f} ms, phase2 {1e3 * s.phase2_s:.2f} ms"
+    )

@@ -1,0 +1,438 @@
+"""`BatchShuffler`: move samples between data-parallel ranks to equalise work.
+
+Per step, on every rank of the group (each step is a collective):
+
+1. ``start_shuffle_async(batch)`` (phase 1, calling thread): per-sample
+   workloads from ``workload_fn``; one all-gather of every rank's header (real
+   sample count, schema fingerprint, error status), workloads and per-sample
+   bytes; a host copy; then the partition (+ locality refinement) is submitted
+   to a single background thread. Returns a :class:`ShuffleHandle`.
+2. ``finish_shuffle(batch, handle)`` (phase 2, calling thread): waits for the
+   partition, then redistributes with two collectives (``"all2all"``: lengths,
+   then payload of the samples that change rank; ``"allgather"``: every rank's
+   lengths, then every rank's payload). Each rank gets exactly ``batch_size``
+   samples: its real samples in ascending global order, then local padding.
+
+``shuffle(batch)`` is ``finish_shuffle(batch, start_shuffle_async(batch))``.
+
+Bad input on one rank (wrong batch size or schema, bad workloads) never hangs
+the group: that rank still joins the phase-1 all-gather, with an error status
+in its header, and every rank raises a ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import weakref
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from time import perf_counter
+from typing import Any, TypeVar
+
+import numpy as np
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from balancer import _comm
+from balancer._comm import Traffic
+from balancer._plan import (
+    HEADER_LEN,
+    Agreement,
+    Outcome,
+    PartitionFn,
+    decide,
+    partition_task,
+    simple_lower_bound,
+    wire_layout,
+)
+from balancer._stats import ShuffleStats, build_stats, format_stats, local_input
+from balancer.batch import BaseBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats", "ShufflerConfig"]
+
+_B = TypeVar("_B", bound=BaseBatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShufflerConfig:
+    """Settings of a :class:`BatchShuffler` (validated on construction)."""
+
+    comm: str = "all2all"
+    """``"all2all"``: send each sample that changes rank once (least traffic).
+    ``"allgather"``: gather every rank's batch everywhere, select locally."""
+
+    partition: PartitionFn | None = None
+    """Partitioner; ``None`` is ``balancer.partition.balanced_partition``."""
+
+    locality: bool = True
+    """Refine the partition with ``balancer.partition.localize`` so samples stay
+    home where that costs no balance (less traffic). ``False``: rank r gets part
+    r as the partitioner returns it."""
+
+    log_interval: int = 0
+    """Log :class:`ShuffleStats` on rank 0 every ``log_interval`` shuffles; 0: never."""
+
+    def __post_init__(self) -> None:
+        if self.comm not in ("all2all", "allgather"):
+            raise ValueError(f"comm={self.comm!r}, expected 'all2all' or 'allgather'")
+        if self.partition is not None and not callable(self.partition):
+            raise ValueError(f"partition={self.partition!r}, expected a callable or None")
+        if not isinstance(self.locality, bool):
+            raise ValueError(f"locality={self.locality!r}, expected a bool")
+        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
+            raise ValueError(f"log_interval={self.log_interval!r}, expected an int >= 0")
+
+
+@dataclasses.dataclass
+class _HandleState:
+    finished: bool = False
+    stats: ShuffleStats | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShuffleHandle:
+    """A started shuffle; pass it to ``finish_shuffle`` exactly once, in start order.
+
+    Attributes:
+        seq: sequence number on its shuffler (0, 1, ...).
+        world_size: W at start.
+        rank: this rank at start.
+        phase1_s: wall seconds of phase 1.
+    """
+
+    seq: int
+    world_size: int
+    rank: int
+    phase1_s: float
+    _owner: object = dataclasses.field(repr=False)
+    _workloads: np.ndarray = dataclasses.field(repr=False)  # [W * B], padding 0
+    _sizes: np.ndarray = dataclasses.field(repr=False)  # [W * B] bytes, padding 0
+    _real: np.ndarray = dataclasses.field(repr=False)  # [W]
+    _fingerprint: int = dataclasses.field(repr=False)
+    _future: Future[Outcome] | None = dataclasses.field(repr=False)
+    _state: _HandleState = dataclasses.field(default_factory=_HandleState, repr=False)
+
+    @property
+    def stats(self) -> ShuffleStats:
+        """Statistics of the finished shuffle.
+
+        Raises:
+            RuntimeError: before ``finish_shuffle`` returned for this handle.
+        """
+        if self._state.stats is None:
+            raise RuntimeError(f"shuffle handle #{self.seq} has no stats: finish_shuffle it first")
+        return self._state.stats
+
+    def partition_done(self) -> bool:
+        """Whether the background partition has finished (never blocks)."""
+        return self._future is None or self._future.done()
+
+
+def _resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
+    """``(group, world size, rank)``; ``(None, 1, 0)`` without torch.distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None, 1, 0
+    group = pg if pg is not None else dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+class _ShufflerBase:
+    """Handle bookkeeping shared by both shufflers: sequence numbers, start-order
+    finishing, one finish per handle, local (no-communication) handles."""
+
+    _comm_name = "identity"
+
+    def __init__(self, workload_fn: Callable[[Any], Any] | None, log_interval: int = 0) -> None:
+        self._workload_fn = workload_fn
+        self._log_interval = log_interval
+        self._token = object()
+        self._next_seq = 0
+        # Unfinished handles by sequence number; a dropped handle drops out.
+        self._pending: weakref.WeakValueDictionary[int, ShuffleHandle] = weakref.WeakValueDictionary()
+        self._closed = False
+
+    def shuffle(self, batch: _B, pg: dist.ProcessGroup | None = None) -> _B:
+        """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
+        return self.finish_shuffle(batch, self.start_shuffle_async(batch, pg), pg)
+
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+        raise NotImplementedError
+
+    def finish_shuffle(self, batch: Any, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources; later ``start_shuffle_async`` calls raise. Idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> _ShufflerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _register(self, handle: ShuffleHandle) -> ShuffleHandle:
+        self._pending[handle.seq] = handle
+        self._next_seq += 1
+        return handle
+
+    def _claim(self, handle: ShuffleHandle) -> None:
+        """Check that ``handle`` may finish now and mark it finished."""
+        if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token:
+            raise RuntimeError(f"{handle!r} was not started by this {type(self).__name__}")
+        if handle._state.finished:
+            raise RuntimeError(f"shuffle handle #{handle.seq} was already finished")
+        earlier = sorted(s for s in list(self._pending.keys()) if s < handle.seq)
+        if earlier:
+            raise RuntimeError(
+                f"finish_shuffle got handle #{handle.seq} while handle(s) #{earlier} started "
+                "earlier are unfinished; finish handles in the order they were started"
+            )
+        handle._state.finished = True
+        self._pending.pop(handle.seq, None)
+
+    def _local_handle(self, batch: Any, t0: float) -> ShuffleHandle:
+        """A handle for a shuffle that communicates nothing (W == 1, identity)."""
+        _, _, rank = _resolve_group(None)
+        if self._workload_fn is None:
+            b = int(getattr(batch, "batch_size", 0))
+            real = int(getattr(batch, "actual_batch_size", b) or 0)
+            workloads, fp = np.zeros(b, np.int64), 0
+        else:
+            local = local_input(batch, self._workload_fn, rank, None)
+            if local.error:
+                raise ValueError(f"{type(self).__name__}: {local.error}") from local.cause
+            b, fp, real = local.header[2], local.header[3], local.header[4]
+            msg = local.message(Agreement(b, fp)).cpu().numpy()
+            verdict = decide(msg[None, :HEADER_LEN], Agreement(b, fp))
+            if verdict.kind == "error":
+                raise ValueError(f"{type(self).__name__}: {verdict.message}")
+            workloads = msg[HEADER_LEN : HEADER_LEN + b].copy()
+            workloads[real:] = 0
+        return self._register(ShuffleHandle(
+            self._next_seq, 1, rank, perf_counter() - t0, self._token, workloads,
+            np.zeros(b, np.int64), np.array([real], np.int64), fp, None,
+        ))
+
+    def _record(self, handle: ShuffleHandle, outcome: Outcome | None, traffic: Traffic,
+                phase2_s: float) -> None:
+        n = handle._workloads.size
+        stats = build_stats(
+            seq=handle.seq, rank=handle.rank, comm=self._comm_name if outcome else "identity",
+            workloads=handle._workloads, real=handle._real,
+            dest=outcome.dest if outcome else np.zeros(n, np.int64),
+            lower_bound=outcome.lower_bound if outcome else simple_lower_bound(handle._workloads, 1),
+            partition_s=outcome.seconds if outcome else 0.0,
+            phase1_s=handle.phase1_s, phase2_s=phase2_s, traffic=traffic,
+        )
+        handle._state.stats = stats
+        if self._log_interval and handle.rank == 0 and (handle.seq + 1) % self._log_interval == 0:
+            logger.info("%s", format_stats(stats))
+
+
+class BatchShuffler(_ShufflerBase):
+    """Balances per-rank workload by moving samples between data-parallel ranks.
+
+    Example::
+
+        shuffler = BatchShuffler(TokenCount(["item"]), comm="all2all")
+        handle = shuffler.start_shuffle_async(batch)      # phase 1
+        ...                                               # other work overlaps the partition
+        batch = shuffler.finish_shuffle(batch, handle)    # phase 2
+        print(handle.stats.imbalance_before, handle.stats.imbalance_after)
+
+    Every rank of the group must call the same methods in the same order.
+    Several handles may be in flight; finish them in start order.
+
+    Args:
+        workload_fn: ``batch -> [batch_size]`` per-sample cost (integer, or
+            floating and rounded); only real samples' costs are used.
+        comm: see :attr:`ShufflerConfig.comm`.
+        partition: see :attr:`ShufflerConfig.partition`.
+        locality: see :attr:`ShufflerConfig.locality`.
+        log_interval: see :attr:`ShufflerConfig.log_interval`.
+
+    Raises:
+        ValueError: on an invalid setting, naming the value and the expectation.
+    """
+
+    def __init__(self, workload_fn: Callable[[Any], Any], *,
+                 comm: str = "all2all",
+                 partition: PartitionFn | None = None, locality: bool = True,
+                 log_interval: int = 0) -> None:
+        if not callable(workload_fn):
+            raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
+        self.config = ShufflerConfig(comm, partition, locality, log_interval)
+        super().__init__(workload_fn, log_interval)
+        self._comm_name = comm
+        self._agreed: dict[Any, Agreement] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._algos: tuple[PartitionFn, Callable[..., Any] | None, Callable[..., float]] | None = None
+
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+        """Phase 1: gather workloads and start the partition in the background.
+
+        Args:
+            batch: this rank's :class:`BaseBatch`.
+            pg: process group; ``None`` is the default group (resolved now).
+
+        Raises:
+            ValueError: on every rank, when any rank's input is invalid (its
+                batch size or schema differs, its workloads are malformed,
+                negative or not finite); names the rank(s).
+        """
+        self._check_open()
+        group, w, rank = _resolve_group(pg)
+        t0 = perf_counter()
+        if w == 1:
+            return self._local_handle(batch, t0)
+        algos = self._algorithms()
+        with record_function("## balancer.shuffle.phase1 ##"):
+            gathered, agreed = self._gather(batch, group, rank)
+            b = agreed.batch_size
+            real = gathered[:, 4].copy()
+            workloads = gathered[:, HEADER_LEN : HEADER_LEN + b].copy()
+            sizes = gathered[:, HEADER_LEN + b :].copy()
+            padding = np.arange(b)[None, :] >= real[:, None]
+            workloads[padding] = 0
+            sizes[padding] = 0
+            workloads, sizes = workloads.reshape(-1), sizes.reshape(-1)
+            future = self._pool().submit(partition_task, workloads, sizes, real, rank, *algos)
+        return self._register(ShuffleHandle(
+            self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, sizes, real,
+            agreed.fingerprint, future,
+        ))
+
+    def finish_shuffle(self, batch: _B, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> _B:
+        """Phase 2: wait for the partition and redistribute.
+
+        Args:
+            batch: the batch given to ``start_shuffle_async`` (or a copy of it).
+            handle: its handle; each handle finishes once, in start order.
+            pg: the process group of the start.
+
+        Returns:
+            A batch of the same type and ``batch_size``: the real samples this
+            rank was assigned (ascending global index), then padding;
+            ``actual_batch_size`` is their count.
+
+        Raises:
+            RuntimeError: out-of-order or repeated finish, foreign handle, or the
+                shuffler was closed before the partition ran.
+            Exception: whatever the partition function raised.
+        """
+        # Checked before anything else, on every rank alike: a closed shuffler
+        # must not depend on whether the partition thread got to this handle.
+        self._check_open()
+        self._claim(handle)
+        t0 = perf_counter()
+        if handle._future is None:
+            self._record(handle, None, Traffic(), perf_counter() - t0)
+            return batch
+        with record_function("## balancer.shuffle.phase2 ##"):
+            group, w, rank = _resolve_group(pg)
+            if (w, rank) != (handle.world_size, handle.rank):
+                raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
+                                 f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")
+            layout = wire_layout(batch)
+            if layout.fingerprint != handle._fingerprint or batch.actual_batch_size != handle._real[rank]:
+                raise ValueError(f"finish_shuffle: batch (actual_batch_size={batch.actual_batch_size}) "
+                                 f"is not the batch handle #{handle.seq} was started with")
+            try:
+                outcome = handle._future.result()
+            except CancelledError:
+                raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
+            if self.config.comm == "all2all":
+                out, traffic = _comm.redistribute_all2all(batch, layout, outcome.plan, group)
+            else:
+                out, traffic = _comm.redistribute_allgather(batch, layout, outcome.plan, handle._real, group)
+        self._record(handle, outcome, traffic, perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        """Shut the partition thread down (pending partitions are cancelled)."""
+        super().close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._agreed.clear()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            # One worker: partitions run in start order. The finalizer shuts
+            # the thread down when the shuffler is garbage collected unclosed.
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="balancer-partition")
+            self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+        return self._executor
+
+    def _algorithms(self) -> tuple[PartitionFn, Callable[..., Any] | None, Callable[..., float]]:
+        if self._algos is None:
+            cfg = self.config
+            try:
+                mod: Any = importlib.import_module("balancer.partition")
+            except ImportError:
+                if cfg.partition is None or cfg.locality:
+                    raise
+                mod = None
+            self._algos = (
+                cfg.partition or mod.balanced_partition,
+                mod.localize if cfg.locality else None,
+                getattr(mod, "lower_bound", simple_lower_bound),
+            )
+        return self._algos
+
+    def _gather(self, batch: Any, group: Any, rank: int) -> tuple[np.ndarray, Agreement]:
+        """The phase-1 all-gather, preceded on first use (or when every rank
+        changed batch size or schema together) by a header-only round."""
+        local = local_input(batch, self._workload_fn, rank, group)  # type: ignore[arg-type]
+        agreed = self._agreed.get(group)
+        for _ in range(2):
+            # .cpu() on the calling thread: the partition thread only ever sees
+            # host memory that is completely written (a sync on CUDA).
+            gathered = _comm.all_gather_fixed(local.message(agreed), group).cpu().numpy()
+            verdict = decide(gathered[:, :HEADER_LEN], agreed)
+            if verdict.kind == "ok" and agreed is not None:
+                return gathered, agreed
+            if verdict.kind == "error":
+                text = f"BatchShuffler: {verdict.message}"
+                if local.error:
+                    text += f"; on this rank: {local.error}"
+                raise ValueError(text) from local.cause
+            agreed = verdict.agreement
+            assert agreed is not None, "a retry verdict carries the new agreement"
+            self._agreed[group] = agreed
+        raise AssertionError("phase-1 agreement did not settle in two rounds")
+
+
+class IdentityBatchShuffler(_ShufflerBase):
+    """Same API as :class:`BatchShuffler`; communicates nothing and returns the
+    batch unchanged. Stats cover this rank only (``world_size == 1``).
+
+    Args:
+        workload_fn: optional per-sample cost, for the stats' load.
+    """
+
+    def __init__(self, workload_fn: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(workload_fn)
+
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+        """No communication; computes the workloads only if ``workload_fn`` is set."""
+        self._check_open()
+        return self._local_handle(batch, perf_counter())
+
+    def finish_shuffle(self, batch: _B, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> _B:
+        """Returns ``batch`` itself."""
+        self._claim(handle)
+        self._record(handle, None, Traffic(), 0.0)
+        return batch

@@ -1,0 +1,523 @@
+"""BatchShuffler on real gloo collectives (forked ranks), plus its local paths.
+
+Every sample carries a unique id ``1 + rank * 10000 + i`` in its KJT values,
+weights, labels and dense rows, so a test can follow it across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import logging
+import sys
+import time
+import types
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from balancer import _comm
+from balancer._plan import simple_lower_bound, wire_layout
+from balancer.batch import BaseBatch, pad_batch
+from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
+from tests.dist_harness import WorkerError, run_workers, run_workers_outcomes
+
+KEYS = ["a", "b", "c"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TaggedBatch(BaseBatch):
+    dense: torch.Tensor  # [B, 3] float32: (id, id + 0.5, -id)
+    extra: KeyedJaggedTensor  # key "e", int32 lengths and values, no weights
+
+
+def sid(rank: int, i: int) -> int:
+    return 1 + rank * 10000 + i
+
+
+def make_batch(rank: int, b: int, real: int, seed: int, labels: str = "kjt",
+               zero_frac: float = 0.2, keys: list[str] | None = None) -> TaggedBatch:
+    keys = keys or KEYS
+    rng = np.random.default_rng([seed, rank])
+    lens = np.zeros((len(keys), b), np.int64)
+    lens[:, :real] = rng.integers(0, 3 + 4 * rank, size=(len(keys), real))
+    lens[:, :real][:, rng.random(real) < zero_frac] = 0  # real samples with no data
+    vals, wts = [], []
+    for k in range(len(keys)):
+        for i in range(b):
+            vals += [sid(rank, i) * 1000 + k * 100 + p for p in range(lens[k, i])]
+            wts += [sid(rank, i) * 4 + k + p / 128 for p in range(lens[k, i])]
+    features = KeyedJaggedTensor(keys=keys, values=torch.tensor(vals, dtype=torch.int64),
+                                 weights=torch.tensor(wts, dtype=torch.float32),
+                                 lengths=torch.from_numpy(lens.reshape(-1)))
+    elen = np.zeros(b, np.int32)
+    elen[:real] = rng.integers(0, 3, size=real)
+    evals = [sid(rank, i) * 10 + p for i in range(b) for p in range(elen[i])]
+    extra = KeyedJaggedTensor(keys=["e"], values=torch.tensor(evals, dtype=torch.int32),
+                              lengths=torch.from_numpy(elen))
+    ids = torch.tensor([sid(rank, i) if i < real else 0 for i in range(b)], dtype=torch.float32)
+    dense = torch.stack([ids, torch.where(ids > 0, ids + 0.5, 0.0), -ids], dim=1)
+    lab: Any = None
+    if labels == "kjt":
+        lab = KeyedJaggedTensor(keys=["y"], values=ids[:real].clone(),
+                                lengths=(ids > 0).to(torch.int64))
+    elif labels == "dense":
+        lab = ids.clone()
+    return TaggedBatch(features=features, batch_size=b, feature_to_max_seqlen={"a": 7},
+                       actual_batch_size=real, labels=lab, dense=dense, extra=extra)
+
+
+def token_count(batch: BaseBatch) -> torch.Tensor:
+    f = batch.features
+    return f.lengths().view(len(f.keys()), batch.batch_size).sum(0)
+
+
+def greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
+    """Test stand-in partitioner: largest first onto the lightest non-full part."""
+    b = workloads.size // num_parts
+    loads, parts = [0] * num_parts, [[] for _ in range(num_parts)]  # type: ignore[var-annotated]
+    for i in sorted(range(workloads.size), key=lambda i: (-int(workloads[i]), i)):
+        r = min((r for r in range(num_parts) if len(parts[r]) < b), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += int(workloads[i])
+    return parts
+
+
+def _standin_localize(parts: list[list[int]], workloads: np.ndarray, home: np.ndarray,
+                      sizes: np.ndarray | None) -> list[list[int]]:
+    """Test stand-in: give each part to the rank already holding most of its bytes."""
+    w = len(parts)
+    weight = sizes if sizes is not None else np.ones(home.size)
+    overlap = np.array([[weight[np.asarray(p)][home[np.asarray(p)] == r].sum() for r in range(w)] for p in parts])
+    out: list[list[int]] = [[] for _ in range(w)]
+    free_parts, free_ranks = set(range(w)), set(range(w))
+    for flat in np.argsort(-overlap, axis=None, kind="stable"):
+        p, r = divmod(int(flat), w)
+        if p in free_parts and r in free_ranks:
+            out[r] = list(parts[p])
+            free_parts.discard(p)
+            free_ranks.discard(r)
+    return out
+
+
+def _ensure_partition_module() -> None:
+    """Until balancer.partition lands, install a stand-in (in forked workers only)."""
+    if importlib.util.find_spec("balancer.partition") is None:
+        mod = types.ModuleType("balancer.partition")
+        mod.balanced_partition = greedy  # type: ignore[attr-defined]
+        mod.localize = _standin_localize  # type: ignore[attr-defined]
+        mod.lower_bound = simple_lower_bound  # type: ignore[attr-defined]
+        sys.modules["balancer.partition"] = mod
+
+
+def rows(batch: BaseBatch) -> list[tuple[Any, ...]]:
+    """Every sample as a hashable tuple of all its data (KJTs per key, dense rows)."""
+    b = batch.batch_size
+    out: list[list[Any]] = [[] for _ in range(b)]
+    for name, kjt in batch.kjt_fields().items():
+        lengths = kjt.lengths().view(len(kjt.keys()), b).tolist()
+        vals, w = kjt.values().tolist(), kjt.weights_or_none()
+        wl = w.tolist() if w is not None else None
+        off = 0
+        for k in range(len(kjt.keys())):
+            for i in range(b):
+                n = lengths[k][i]
+                out[i].append((name, k, tuple(vals[off : off + n]), tuple(wl[off : off + n]) if wl is not None else None))
+                off += n
+    for name, t in batch.dense_fields().items():
+        for i, r in enumerate(t.reshape(b, -1).tolist()):
+            out[i].append((name, tuple(r)))
+    return [tuple(r) for r in out]
+
+
+def assert_identical(x: BaseBatch, y: BaseBatch) -> None:
+    """Bit-identical batches: same fields, dtypes, lengths, values, weights, rows."""
+    assert type(x) is type(y) and x.batch_size == y.batch_size
+    assert x.actual_batch_size == y.actual_batch_size
+    assert x.feature_to_max_seqlen == y.feature_to_max_seqlen
+    for (n, a), (_, c) in zip(x.kjt_fields().items(), y.kjt_fields().items(), strict=True):
+        assert a.keys() == c.keys(), n
+        for ta, tc in ((a.lengths(), c.lengths()), (a.values(), c.values())):
+            assert ta.dtype == tc.dtype and torch.equal(ta, tc), n
+        wa, wc = a.weights_or_none(), c.weights_or_none()
+        assert (wa is None) == (wc is None) and (wa is None or torch.equal(wa, wc)), n
+    for (n, a), (_, c) in zip(x.dense_fields().items(), y.dense_fields().items(), strict=True):
+        assert a.dtype == c.dtype and a.shape == c.shape and torch.equal(a, c), n
+
+
+# ------------------------------------------------------------- conservation
+_VARIANTS = ("blind", "local", "default")
+
+
+def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
+    _ensure_partition_module()
+    results = []
+    rng = np.random.default_rng(123)  # same draws on every rank
+    ag = BatchShuffler(token_count, comm="allgather", partition=greedy, locality=False)
+    shufflers = {"blind": BatchShuffler(token_count, comm="all2all", partition=greedy, locality=False),
+                 "local": BatchShuffler(token_count, partition=greedy, locality=True),
+                 "default": BatchShuffler(token_count)}
+    for case in range(15):
+        b = int(rng.choice([1, 4, 9]))
+        pattern = case % 5
+        reals = {0: [b] * w, 1: rng.integers(0, b + 1, size=w).tolist(),
+                 2: [0 if r == 1 else b for r in range(w)], 3: [0] * w,
+                 4: rng.integers(0, b + 1, size=w).tolist()}[pattern]
+        batch = make_batch(rank, b, int(reals[rank]), seed=case, labels=["kjt", "dense", None][case % 3],
+                           zero_frac=0.9 if pattern == 4 else 0.2)
+        res: dict[str, Any] = dict(b=b, real=int(batch.actual_batch_size or 0), rows_in=rows(batch),
+                                   workloads=token_count(batch).tolist())
+        for name, shuffler in shufflers.items():
+            handle = shuffler.start_shuffle_async(batch)
+            out = shuffler.finish_shuffle(batch, handle)
+            if name == "blind":
+                assert_identical(out, ag.shuffle(batch))  # both paths, bit for bit
+            res[name] = dict(rows=rows(out), real=int(out.actual_batch_size or 0),
+                             stats=dataclasses.asdict(handle.stats))
+        results.append(res)
+    return results
+
+
+def _expected_real_rows(ins: list[dict[str, Any]], w: int) -> list[list[tuple[Any, ...]]]:
+    """Independent reference: partition the gathered global sample list, in Python;
+    rank r gets the real samples of part r in ascending global order."""
+    b = ins[0]["b"]
+    real = lambda g: g % b < ins[g // b]["real"]  # noqa: E731
+    workloads = np.array([ins[g // b]["workloads"][g % b] if real(g) else 0 for g in range(w * b)])
+    parts = greedy(workloads, w)
+    home = [list(range(r * b, (r + 1) * b)) for r in range(w)]
+    max_load = lambda ps: max(sum(int(workloads[g]) for g in p) for p in ps)  # noqa: E731
+    if max_load(parts) > max_load(home):
+        parts = home  # the shuffler never worsens the max load
+    return [[ins[g // b]["rows_in"][g % b] for g in sorted(p) if real(g)] for p in parts]
+
+
+def _check_padding(rs: list[tuple[Any, ...]]) -> None:
+    for row in rs:
+        for item in row:
+            if len(item) == 2:  # dense row
+                assert not any(item[1]), item
+            else:
+                assert item[2] == () and item[3] in ((), None), item
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_conservation_reference_and_paths(world_size: int) -> None:
+    per_rank = run_workers(_conservation_worker, world_size)
+    moved = {v: 0.0 for v in _VARIANTS}
+    for case in range(len(per_rank[0])):
+        ins = [per_rank[r][case] for r in range(world_size)]
+        b = ins[0]["b"]
+        real_in = [row for d in ins for row in d["rows_in"][: d["real"]]]
+        for v in _VARIANTS:
+            outs = [d[v] for d in ins]
+            real_out = [row for o in outs for row in o["rows"][: o["real"]]]
+            assert Counter(real_out) == Counter(real_in), (case, v)  # every sample once, intact
+            for o in outs:
+                assert len(o["rows"]) == b
+                _check_padding(o["rows"][o["real"] :])
+            stats = [o["stats"] for o in outs]
+            assert all(s["load_after"] == stats[0]["load_after"] for s in stats)  # one partition
+            assert stats[0]["max_after"] <= stats[0]["max_before"]
+            assert stats[0]["max_after"] >= stats[0]["lower_bound"] - 1e-9
+            assert sum(s["samples_sent"] for s in stats) == sum(s["samples_received"] for s in stats)
+            assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+            moved[v] += stats[0]["moved_fraction"]
+        for r, exp in enumerate(_expected_real_rows(ins, world_size)):
+            assert ins[r]["blind"]["rows"][: ins[r]["blind"]["real"]] == exp, (case, r)
+        assert ins[0]["local"]["stats"]["max_after"] <= ins[0]["blind"]["stats"]["max_after"]
+    assert moved["local"] <= moved["blind"]
+
+
+# ------------------------------------------------------------------ async
+def _boom_once() -> Any:
+    calls = []
+
+    def partition(workloads: np.ndarray, n: int) -> list[list[int]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("partitioner failed")
+        return greedy(workloads, n)
+
+    return partition
+
+
+def _async_worker(rank: int, w: int) -> dict[str, Any]:
+    s = BatchShuffler(token_count, partition=greedy, locality=False, log_interval=1)
+    ref = BatchShuffler(token_count, partition=greedy, locality=False)
+    batches = [make_batch(rank, 6, 6 - rank, seed=j) for j in range(3)]
+    handles = [s.start_shuffle_async(x) for x in batches]  # three in flight
+    outs = [s.finish_shuffle(x, h) for x, h in zip(batches, handles, strict=True)]
+    for x, o in zip(batches, outs, strict=True):
+        assert_identical(o, ref.shuffle(x))
+    errors: dict[str, str] = {}
+    h0, h1 = s.start_shuffle_async(batches[0]), s.start_shuffle_async(batches[1])
+    for name, fn in (("stats", lambda: h0.stats), ("order", lambda: s.finish_shuffle(batches[1], h1)),
+                     ("foreign", lambda: ref.finish_shuffle(batches[0], h0))):
+        try:
+            fn()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    s.finish_shuffle(batches[0], h0)
+    s.finish_shuffle(batches[1], h1)
+    try:
+        s.finish_shuffle(batches[1], h1)
+    except RuntimeError as e:
+        errors["twice"] = str(e)
+    dropped = s.start_shuffle_async(batches[2])
+    del dropped
+    gc.collect()
+    s.shuffle(batches[2])  # a dropped handle does not block later ones
+    with BatchShuffler(token_count, partition=_boom_once(), locality=False) as boom:
+        try:
+            boom.shuffle(batches[0])
+        except ZeroDivisionError as e:
+            errors["partition"] = str(e)
+        boom.shuffle(batches[0])  # still usable
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("balancer.shuffler").addHandler(handler)
+    logging.getLogger("balancer.shuffler").setLevel(logging.INFO)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        s.shuffle(batches[0])
+    names = {e.name for e in prof.events()}
+    h = s.start_shuffle_async(batches[0])
+    s.close()
+    for name, fn in (("closed_finish", lambda: s.finish_shuffle(batches[0], h)),
+                     ("closed_start", lambda: s.start_shuffle_async(batches[0]))):
+        try:
+            fn()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    ranges = sorted(n for n in names if n.startswith("## balancer"))
+    return dict(errors=errors, logs=logs, ranges=ranges, seqs=[h0.seq, h1.seq])
+
+
+def test_async_handles_and_errors() -> None:
+    outs = run_workers(_async_worker, 2)
+    for rank, o in enumerate(outs):
+        e, (s0, s1) = o["errors"], o["seqs"]
+        assert f"handle #{s0} has no stats" in e["stats"]
+        assert f"handle #{s1} while handle(s) #[{s0}]" in e["order"]
+        assert "not started by this BatchShuffler" in e["foreign"]
+        assert f"handle #{s1} was already finished" in e["twice"]
+        assert e["partition"] == "partitioner failed"
+        assert "closed" in e["closed_finish"] and "closed" in e["closed_start"]
+        assert "## balancer.shuffle.phase1 ##" in o["ranges"]
+        assert "## balancer.shuffle.phase2 ##" in o["ranges"]
+        assert bool(o["logs"]) == (rank == 0)
+        assert all("max/mean load" in line for line in o["logs"])
+
+
+# -------------------------------------------------------------- bad input
+def _bad_input_worker(rank: int, w: int) -> list[tuple[str, str, str, float]]:
+    mode = {"m": ""}
+    bad = w - 1
+
+    def workloads(batch: BaseBatch) -> Any:
+        t = token_count(batch)
+        m = mode["m"] if rank == bad else ""
+        if m == "shape":
+            return t[:-1]
+        if m == "negative":
+            t = t.clone()
+            t[3] = -5
+        if m == "nan":
+            t = t.double()
+            t[2] = float("nan")
+        if m == "raise":
+            raise KeyError("no such feature")
+        if m == "complex":
+            return t.to(torch.complex64)
+        return t
+
+    s = BatchShuffler(workloads, partition=greedy, locality=False)
+    good = make_batch(rank, 8, 8, seed=1)
+    cases = [("first_batch_size", make_batch(rank, 6 if rank == bad else 8, 4, seed=1), ""),
+             ("good", good, ""),
+             ("batch_size", make_batch(rank, 6 if rank == bad else 8, 4, seed=1), ""),
+             ("schema", make_batch(rank, 8, 8, seed=1, keys=["a", "b"] if rank == bad else None), ""),
+             ("shape", good, "shape"), ("negative", good, "negative"), ("nan", good, "nan"),
+             ("raise", good, "raise"), ("complex", good, "complex"),
+             ("all_resize", make_batch(rank, 5, 5, seed=2), ""), ("good_again", good, "")]
+    out = []
+    for name, batch, m in cases:
+        mode["m"] = m
+        t0 = time.perf_counter()
+        try:
+            s.shuffle(batch)
+            out.append((name, "ok", "", time.perf_counter() - t0))
+        except ValueError as e:
+            cause = type(e.__cause__).__name__ if e.__cause__ else ""
+            out.append((name, str(e), cause, time.perf_counter() - t0))
+    return out
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank() -> None:
+    w = 4
+    results = run_workers(_bad_input_worker, w)
+    expect = {"first_batch_size": f"rank {w - 1}: batch_size=6, expected 8",
+              "batch_size": f"rank {w - 1}: batch_size=6, expected 8",
+              "schema": "fingerprint", "shape": "invalid batch or workload_fn output",
+              "negative": "workloads[3] < 0", "nan": "workloads[2] is NaN",
+              "raise": "invalid batch or workload_fn output",
+              "complex": "invalid batch or workload_fn output"}
+    for rank, res in enumerate(results):
+        by = {name: (msg, cause, dt) for name, msg, cause, dt in res}
+        for name in ("good", "all_resize", "good_again"):
+            assert by[name][0] == "ok", (rank, name, by[name])
+        for name, text in expect.items():
+            msg, cause, dt = by[name]
+            assert text in msg and f"[{w - 1}]" in msg, (rank, name, msg)
+            assert dt < 10, (rank, name, dt)
+        if rank == w - 1:
+            assert "workloads has shape (7,)" in by["shape"][0]
+            assert "KeyError" in by["raise"][0] and by["raise"][1] == "KeyError"
+            assert "complex64" in by["complex"][0]
+
+
+def _uncaught_worker(rank: int, w: int) -> None:
+    s = BatchShuffler(token_count, partition=greedy, locality=False)
+    s.shuffle(make_batch(rank, 4, 4, seed=0))
+    s.shuffle(make_batch(rank, 4, 4, seed=0, keys=["a"] if rank == 0 else None))
+
+
+def test_bad_input_every_rank_worker_error() -> None:
+    outs = run_workers_outcomes(_uncaught_worker, 2, timeout=60)
+    assert all(isinstance(o, WorkerError) and o.type_name == "ValueError" for o in outs), outs
+    assert all("rank 0: batch schema fingerprint" in o.message for o in outs)
+
+
+# ------------------------------------------------------- local paths, W = 1
+def _forbid_collectives(monkeypatch_target: Any) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a collective was issued")
+
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_to_all_single", "all_gather",
+                 "all_reduce", "broadcast", "barrier"):
+        if hasattr(monkeypatch_target, name):
+            setattr(monkeypatch_target, name, refuse)
+
+
+def _single_rank_worker(rank: int, w: int) -> dict[str, Any]:
+    _forbid_collectives(dist)
+    batch = make_batch(0, 5, 3, seed=0)
+    out: dict[str, Any] = {}
+    for comm in ("all2all", "allgather"):
+        s = BatchShuffler(token_count, comm=comm, partition=greedy, locality=False)
+        assert s.shuffle(batch) is batch
+        h0, h1 = s.start_shuffle_async(batch), s.start_shuffle_async(batch)
+        try:
+            s.finish_shuffle(batch, h1)
+        except RuntimeError as e:
+            out["order"] = str(e)
+        assert s.finish_shuffle(batch, h0) is batch and s.finish_shuffle(batch, h1) is batch
+        out["stats"] = dataclasses.asdict(h1.stats)
+    bad = BatchShuffler(lambda b: -token_count(b) - 1, partition=greedy, locality=False)
+    try:
+        bad.shuffle(batch)
+    except ValueError as e:
+        out["bad"] = str(e)
+    ident = IdentityBatchShuffler(token_count)
+    assert ident.shuffle(batch) is batch
+    return out
+
+
+def test_world_size_one_issues_no_collective() -> None:
+    (out,) = run_workers(_single_rank_worker, 1)
+    assert "handle #2 while handle(s) #[1]" in out["order"]
+    stats = out["stats"]
+    assert stats["world_size"] == 1 and stats["bytes_sent"] == 0 and stats["moved_fraction"] == 0
+    real_load = sum(token_count(make_batch(0, 5, 3, seed=0)).tolist()[:3])
+    assert stats["load_before"] == stats["load_after"] == [real_load]
+    assert "workloads[0] < 0" in out["bad"]
+
+
+def test_without_process_group_and_identity() -> None:
+    assert not dist.is_initialized()
+    batch = make_batch(1, 4, 2, seed=3)
+    with BatchShuffler(token_count, partition=greedy, locality=False) as s:
+        assert s.shuffle(batch) is batch
+    ident = IdentityBatchShuffler(token_count)
+    h = ident.start_shuffle_async(batch)
+    assert ident.finish_shuffle(batch, h) is batch
+    assert h.stats.comm == "identity" and h.stats.load_before == [int(token_count(batch)[:2].sum())]
+    plain = IdentityBatchShuffler()
+    thing = object()
+    assert plain.shuffle(thing) is thing  # any batch type, no workloads
+    with pytest.raises(RuntimeError, match="already finished"):
+        ident.finish_shuffle(batch, h)
+    ident.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ident.start_shuffle_async(batch)
+
+
+def test_config_validation() -> None:
+    for kwargs, text in (({"comm": "nccl"}, "comm='nccl', expected 'all2all' or 'allgather'"),
+                         ({"log_interval": -1}, "log_interval=-1, expected an int >= 0"),
+                         ({"locality": 1}, "locality=1, expected a bool"),
+                         ({"partition": 3}, "partition=3, expected a callable")):
+        with pytest.raises(ValueError, match=text):
+            BatchShuffler(token_count, **kwargs)
+    with pytest.raises(ValueError, match="workload_fn=None, expected a callable"):
+        BatchShuffler(None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ wire format
+@pytest.mark.parametrize("unit", [torch.int64, torch.int32, torch.float16, torch.uint8])
+def test_gather_segments_is_bit_exact(unit: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    raw[:64] = 0xFF  # NaN bit patterns for the floating unit
+    buf = raw.view(unit)
+    lengths = torch.randint(0, 9, (64,), generator=g)
+    lengths[-1] = buf.numel() - int(lengths[:-1].sum())
+    ids = torch.randperm(63, generator=g)[:40]
+    total = int(lengths[ids].sum())
+    got = _comm._gather_segments(buf, lengths, ids, total)
+    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
+    want = torch.cat([buf[offsets[i] : offsets[i + 1]] for i in ids.tolist()])
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _roundtrip(batch: BaseBatch, order: list[int]) -> None:
+    layout = wire_layout(batch)
+    lengths = _comm._lengths_matrix(batch, layout)
+    units = _comm._column_units(lengths.t(), layout)
+    idx = torch.tensor(order, dtype=torch.int64, device=batch.device)
+    packed = _comm._pack(batch, layout, units, idx, int(units[idx].sum()))
+    out = _comm._unpack(batch, layout, lengths.t()[idx], units[idx], packed,
+                        units[idx].sum(0).cpu().numpy())
+    if order:
+        want = pad_batch(batch.index_select(idx, actual_batch_size=len(order)), batch.batch_size)
+    else:
+        want = _comm._all_padding(batch, layout)
+    assert_identical(out.to(torch.device("cpu")), want.to(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_pack_unpack_equals_index_select(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for seed, labels in enumerate(("kjt", "dense", None)):
+        batch = make_batch(2, 7, 6, seed=seed, labels=labels).to(torch.device(device))
+        for order in ([5, 0, 3], [], [0, 1, 2, 3, 4, 5], [4]):
+            _roundtrip(batch, order)
+
+
+@pytest.mark.cuda
+def test_cuda_single_rank() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    batch = make_batch(0, 6, 4, seed=0).to(torch.device("cuda"))
+    s = BatchShuffler(token_count, partition=greedy, locality=False)
+    h = s.start_shuffle_async(batch)
+    assert s.finish_shuffle(batch, h) is batch
+    assert h.stats.load_before == [int(token_count(batch)[:4].sum())]
