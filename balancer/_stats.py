@@ -1,8 +1,11 @@
-"""What a rank measures: its phase-1 input, and the statistics of a shuffle.
+"""Shuffle metadata: what each rank measures, how ranks agree, what it cost.
 
 * :func:`local_input` -- this rank's workloads and per-sample bytes, validated
   without raising: a problem becomes an error status in the phase-1 header, so
   the rank still joins the all-gather and every rank can raise together.
+* :func:`decide` -- reads the gathered phase-1 headers: proceed, re-agree on a
+  new batch size / schema, or raise the same error on every rank. Pure: every
+  rank takes the same decision from the same headers.
 * :class:`ShuffleStats` -- balance before/after, time per phase, traffic.
 """
 
@@ -10,26 +13,124 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from balancer._comm import Traffic, sample_bytes
-from balancer._plan import (
-    H_DETAIL,
-    H_SIZE,
-    H_STATUS,
-    HEADER_LEN,
-    MAGIC,
-    Agreement,
-    Status,
-    wire_layout,
-)
+from balancer._plan import wire_layout
 from balancer.batch import BaseBatch
 
-__all__ = ["LocalInput", "ShuffleStats", "build_stats", "format_stats", "local_input"]
+__all__ = [
+    "HEADER_LEN", "Agreement", "LocalInput", "ShuffleStats", "Status", "Verdict", "build_stats",
+    "decide", "format_stats", "local_input",
+]
+
+# --------------------------------------------------------------- agreement
+HEADER_LEN = 8
+"""int64 entries of a phase-1 header: magic, status, batch size, fingerprint,
+real samples, detail, payload length, reserved."""
+MAGIC = 0x62616C616E6301  # "balanc" + protocol version 1
+H_MAGIC, H_STATUS, H_BATCH, H_FP, H_REAL, H_DETAIL, H_SIZE = range(7)
+
+
+class Status:
+    """Bits of a header's status word (0: the rank's input is valid)."""
+
+    BAD_INPUT = 1  # detected on the host: batch type, workload shape/dtype, exception
+    NEGATIVE = 2  # a real sample's workload is < 0 (detail: its index)
+    NONFINITE = 4  # a real sample's workload is NaN or infinite (detail: its index)
+    BAD_REAL = 8  # actual_batch_size outside [0, batch_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on: the phase-1 payload is sized from it."""
+
+    batch_size: int
+    fingerprint: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of :func:`decide`; identical on every rank for the same headers.
+
+    ``kind``: ``"ok"`` (payload valid), ``"retry"`` (every rank moved to the same
+    new ``agreement``; gather again), ``"error"`` (raise ``message``, naming
+    ``offenders``).
+    """
+
+    kind: Literal["ok", "retry", "error"]
+    agreement: Agreement | None = None
+    message: str = ""
+    offenders: tuple[int, ...] = ()
+
+
+def _status_text(r: int, h: np.ndarray) -> str:
+    st, detail = int(h[H_STATUS]), int(h[H_DETAIL])
+    out = []
+    if st & Status.BAD_INPUT:
+        out.append(f"rank {r}: invalid batch or workload_fn output (details in rank {r}'s error)")
+    if st & Status.BAD_REAL:
+        out.append(f"rank {r}: actual_batch_size={int(h[H_REAL])}, expected 0 <= "
+                   f"actual_batch_size <= batch_size={int(h[H_BATCH])}")
+    if st & Status.NEGATIVE:
+        out.append(f"rank {r}: workloads[{detail}] < 0, expected workloads >= 0 for real samples")
+    if st & Status.NONFINITE:
+        out.append(f"rank {r}: workloads[{detail}] is NaN or infinite, expected finite values")
+    return "; ".join(out)
+
+
+def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
+    """Decide from the gathered headers ``[W, HEADER_LEN]`` what every rank does.
+
+    Example (W=2, agreed batch size 4)::
+
+        rank0 header: status 0, batch 4    rank1 header: status 0, batch 4  -> ok
+        rank0 header: status 0, batch 6    rank1 header: status 0, batch 6  -> retry(6)
+        rank0 header: status 0, batch 4    rank1 header: status 0, batch 6  -> error [1]
+        rank0 header: status 0, batch 4    rank1 header: NEGATIVE at 2      -> error [1]
+
+    Args:
+        headers: [W, HEADER_LEN] int64, row r from rank r.
+        agreed: the agreement the payload was sized from, ``None`` before the
+            first one (header-only exchange).
+
+    Returns:
+        The :class:`Verdict`.
+    """
+    w = headers.shape[0]
+    bad_magic = [r for r in range(w) if int(headers[r, H_MAGIC]) != MAGIC]
+    if bad_magic:
+        return Verdict("error", message=f"ranks {bad_magic} sent an unrecognised shuffle header "
+                       "(a different balancer version, or shuffles issued in a different order)",
+                       offenders=tuple(bad_magic))
+    bad = [r for r in range(w) if int(headers[r, H_STATUS]) != 0]
+    if bad:
+        text = "; ".join(_status_text(r, headers[r]) for r in bad)
+        return Verdict("error", message=f"invalid shuffle input on rank(s) {bad}: {text}",
+                       offenders=tuple(bad))
+    schemas = [Agreement(int(headers[r, H_BATCH]), int(headers[r, H_FP])) for r in range(w)]
+    if len(set(schemas)) == 1:
+        if schemas[0] == agreed:
+            return Verdict("ok", agreed)
+        return Verdict("retry", schemas[0])
+    expected = agreed if agreed is not None and agreed in schemas else schemas[0]
+    off = [r for r in range(w) if schemas[r] != expected]
+    parts = []
+    for r in off:
+        s = schemas[r]
+        if s.batch_size != expected.batch_size:
+            parts.append(f"rank {r}: batch_size={s.batch_size}, expected {expected.batch_size}")
+        else:
+            parts.append(f"rank {r}: batch schema fingerprint {s.fingerprint:#x}, expected "
+                         f"{expected.fingerprint:#x} (batch class, KJT keys/dtypes or dense "
+                         "shapes/dtypes differ)")
+    return Verdict("error", message=f"batch mismatch on rank(s) {off}: " + "; ".join(parts),
+                   offenders=tuple(off))
+
 
 
 @dataclasses.dataclass

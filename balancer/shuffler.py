@@ -35,19 +35,10 @@ import numpy as np
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from balancer import _comm
+from balancer import _comm, _stats
 from balancer._comm import Traffic
-from balancer._plan import (
-    HEADER_LEN,
-    Agreement,
-    Outcome,
-    PartitionFn,
-    decide,
-    partition_task,
-    simple_lower_bound,
-    wire_layout,
-)
-from balancer._stats import ShuffleStats, build_stats, format_stats, local_input
+from balancer._plan import Outcome, PartitionFn, partition_task, simple_lower_bound, wire_layout
+from balancer._stats import H_BATCH, H_FP, H_REAL, HEADER_LEN, Agreement, ShuffleStats
 from balancer.batch import BaseBatch
 
 logger = logging.getLogger(__name__)
@@ -110,7 +101,6 @@ class ShuffleHandle:
     phase1_s: float
     _owner: object = dataclasses.field(repr=False)
     _workloads: np.ndarray = dataclasses.field(repr=False)  # [W * B], padding 0
-    _sizes: np.ndarray = dataclasses.field(repr=False)  # [W * B] bytes, padding 0
     _real: np.ndarray = dataclasses.field(repr=False)  # [W]
     _fingerprint: int = dataclasses.field(repr=False)
     _future: Future[Outcome] | None = dataclasses.field(repr=False)
@@ -207,25 +197,25 @@ class _ShufflerBase:
             real = int(getattr(batch, "actual_batch_size", b) or 0)
             workloads, fp = np.zeros(b, np.int64), 0
         else:
-            local = local_input(batch, self._workload_fn, rank, None)
+            local = _stats.local_input(batch, self._workload_fn, rank, None)
             if local.error:
                 raise ValueError(f"{type(self).__name__}: {local.error}") from local.cause
-            b, fp, real = local.header[2], local.header[3], local.header[4]
+            b, fp, real = (local.header[i] for i in (H_BATCH, H_FP, H_REAL))
             msg = local.message(Agreement(b, fp)).cpu().numpy()
-            verdict = decide(msg[None, :HEADER_LEN], Agreement(b, fp))
+            verdict = _stats.decide(msg[None, :HEADER_LEN], Agreement(b, fp))
             if verdict.kind == "error":
                 raise ValueError(f"{type(self).__name__}: {verdict.message}")
             workloads = msg[HEADER_LEN : HEADER_LEN + b].copy()
             workloads[real:] = 0
         return self._register(ShuffleHandle(
             self._next_seq, 1, rank, perf_counter() - t0, self._token, workloads,
-            np.zeros(b, np.int64), np.array([real], np.int64), fp, None,
+            np.array([real], np.int64), fp, None,
         ))
 
     def _record(self, handle: ShuffleHandle, outcome: Outcome | None, traffic: Traffic,
                 phase2_s: float) -> None:
         n = handle._workloads.size
-        stats = build_stats(
+        stats = _stats.build_stats(
             seq=handle.seq, rank=handle.rank, comm=self._comm_name if outcome else "identity",
             workloads=handle._workloads, real=handle._real,
             dest=outcome.dest if outcome else np.zeros(n, np.int64),
@@ -235,7 +225,7 @@ class _ShufflerBase:
         )
         handle._state.stats = stats
         if self._log_interval and handle.rank == 0 and (handle.seq + 1) % self._log_interval == 0:
-            logger.info("%s", format_stats(stats))
+            logger.info("%s", _stats.format_stats(stats))
 
 
 class BatchShuffler(_ShufflerBase):
@@ -299,7 +289,7 @@ class BatchShuffler(_ShufflerBase):
         with record_function("## balancer.shuffle.phase1 ##"):
             gathered, agreed = self._gather(batch, group, rank)
             b = agreed.batch_size
-            real = gathered[:, 4].copy()
+            real = gathered[:, H_REAL].copy()
             workloads = gathered[:, HEADER_LEN : HEADER_LEN + b].copy()
             sizes = gathered[:, HEADER_LEN + b :].copy()
             padding = np.arange(b)[None, :] >= real[:, None]
@@ -308,7 +298,7 @@ class BatchShuffler(_ShufflerBase):
             workloads, sizes = workloads.reshape(-1), sizes.reshape(-1)
             future = self._pool().submit(partition_task, workloads, sizes, real, rank, *algos)
         return self._register(ShuffleHandle(
-            self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, sizes, real,
+            self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, real,
             agreed.fingerprint, future,
         ))
 
@@ -326,9 +316,13 @@ class BatchShuffler(_ShufflerBase):
             ``actual_batch_size`` is their count.
 
         Raises:
-            RuntimeError: out-of-order or repeated finish, foreign handle, or the
-                shuffler was closed before the partition ran.
-            Exception: whatever the partition function raised.
+            RuntimeError: out-of-order or repeated finish, foreign handle, or a
+                closed shuffler (on every rank alike).
+            Exception: whatever the partition function raised (on every rank,
+                for a deterministic partitioner).
+            ValueError: ``batch`` has another schema or real-sample count than
+                the started one -- a programming error raised on this rank only,
+                before any collective (the other ranks then wait in phase 2).
         """
         # Checked before anything else, on every rank alike: a closed shuffler
         # must not depend on whether the partition thread got to this handle.
@@ -395,13 +389,13 @@ class BatchShuffler(_ShufflerBase):
     def _gather(self, batch: Any, group: Any, rank: int) -> tuple[np.ndarray, Agreement]:
         """The phase-1 all-gather, preceded on first use (or when every rank
         changed batch size or schema together) by a header-only round."""
-        local = local_input(batch, self._workload_fn, rank, group)  # type: ignore[arg-type]
+        local = _stats.local_input(batch, self._workload_fn, rank, group)  # type: ignore[arg-type]
         agreed = self._agreed.get(group)
         for _ in range(2):
             # .cpu() on the calling thread: the partition thread only ever sees
             # host memory that is completely written (a sync on CUDA).
             gathered = _comm.all_gather_fixed(local.message(agreed), group).cpu().numpy()
-            verdict = decide(gathered[:, :HEADER_LEN], agreed)
+            verdict = _stats.decide(gathered[:, :HEADER_LEN], agreed)
             if verdict.kind == "ok" and agreed is not None:
                 return gathered, agreed
             if verdict.kind == "error":

@@ -10,6 +10,14 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._plan import (
+    destinations,
+    partition_task,
+    plan_rank,
+    simple_lower_bound,
+    validate_partition,
+    wire_layout,
+)
+from balancer._stats import (
     H_BATCH,
     H_DETAIL,
     H_FP,
@@ -20,12 +28,6 @@ from balancer._plan import (
     Agreement,
     Status,
     decide,
-    destinations,
-    partition_task,
-    plan_rank,
-    simple_lower_bound,
-    validate_partition,
-    wire_layout,
 )
 from balancer.batch import BaseBatch
 
