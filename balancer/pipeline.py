@@ -1,0 +1,355 @@
+"""TorchRec train pipelines that balance every batch before its input dist.
+
+A batch is rebalanced on the memcpy stream between its host-to-device copy and
+its sparse data dist (``ShardedModule.input_dist``), in two phases split around
+the forward of the batch being trained, so the partition runs on the host
+while the device computes. Step ``i`` of :class:`BalancedTrainPipelineSparseDist`:
+
+1. ``start_sparse_data_dist(batch i+1)``: input dist of a batch shuffled during
+   step ``i-1``.
+2. ``enqueue_batch``: copy batch ``i+2`` to the device (memcpy stream), then
+   **phase 1**: workloads, one all-gather, partition submitted to a thread.
+3. ``forward(batch i)``; the partition of batch ``i+2`` runs meanwhile.
+4. **phase 2** (right after the forward): redistribute batch ``i+2``; it
+   replaces the unshuffled batch in the pipeline queue.
+5. ``wait_sparse_data_dist(batch i+1)``, backward, optimizer step of batch ``i``.
+
+:class:`BalancedPrefetchTrainPipelineSparseDist` uses the same hooks on
+TorchRec's ``PrefetchTrainPipelineSparseDist`` (CUDA only: TorchRec skips its
+prefetch stage without streams): phase 1 before the forward, phase 2 right
+after it, the input dist of batch ``i+2`` at the end of the step. Other TorchRec
+variants (semi-sync, fused sparse dist, ...) are not supported.
+
+The one rule for every hook order: a batch's input dist starts only after its
+shuffle finished. :meth:`~BalancedTrainPipelineSparseDist.start_sparse_data_dist`
+and ``_init_pipelined_modules`` finish a pending shuffle first; with
+``enqueue_batch_after_forward=True`` phase 1 therefore runs after the forward and
+phase 2 in the next step's ``start_sparse_data_dist`` (the partition overlaps
+the backward instead).
+
+Collective order: every shuffle is a collective on the data-parallel group;
+TorchRec's input/output dists and DDP's gradient all-reduce use the sharding
+group (possibly another communicator). All are issued from the calling thread
+in the same program order on every rank, and on CUDA stream waits make the
+device run them in that order too (see
+``_fence_before_shuffle``). Every rank must therefore draw the same number of
+batches (pad the last one with :func:`balancer.pad_batch`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup
+from torchrec.distributed.train_pipeline import (
+    PrefetchTrainPipelineSparseDist,
+    TrainPipelineSparseDist,
+)
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+
+from balancer.batch import BaseBatch
+from balancer.config import BalancerConfig
+from balancer.partition import balanced_partition, karmarkar_karp
+from balancer.shuffler import BatchShuffler, IdentityBatchShuffler, ShuffleHandle, ShuffleStats
+from balancer.workloads import TokenCount, WorkloadFn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BalancedPrefetchTrainPipelineSparseDist",
+    "BalancedTrainPipelineSparseDist",
+    "create_train_pipeline",
+]
+
+Shuffler = BatchShuffler | IdentityBatchShuffler
+
+
+@dataclasses.dataclass(frozen=True)
+class _PendingShuffle:
+    """A shuffle whose phase 1 ran; ``index`` is its batch's context index."""
+
+    index: int
+    batch: BaseBatch
+    handle: ShuffleHandle
+
+
+def _stream_ctx(stream: torch.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    # On CPU the pipeline has no streams (None): run on the caller's "stream".
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()  # type: ignore[arg-type]
+
+
+class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
+    """``TrainPipelineSparseDist`` that rebalances each batch before its input dist.
+
+    Args:
+        model: the ``DistributedModelParallel`` model, as for TorchRec.
+        optimizer: the (combined) optimizer, as for TorchRec.
+        device: the training device.
+        shuffler: a ``BatchShuffler``, or an ``IdentityBatchShuffler`` for the
+            plain TorchRec behaviour (then no collective and no stream wait is
+            added).
+        pg: the data-parallel process group the shuffler uses; ``None`` is the
+            default group, resolved at call time.
+        **kwargs: passed to the TorchRec pipeline (``execute_all_batches``,
+            ``enqueue_batch_after_forward``, ``custom_model_fwd``, ...).
+
+    Batches must be :class:`~balancer.batch.BaseBatch` instances of the same
+    ``batch_size`` on every rank. :attr:`last_step_stats` holds the balance
+    statistics of the batch trained by the latest :meth:`progress`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        shuffler: Shuffler,
+        *,
+        pg: ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, optimizer, device, **kwargs)
+        self._shuffler = shuffler
+        self._shuffle_pg = pg
+        self._communicates = not isinstance(shuffler, IdentityBatchShuffler)
+        self._pending: collections.deque[_PendingShuffle] = collections.deque()
+        self._stats: dict[int, ShuffleStats] = {}
+        self.last_step_stats: ShuffleStats | None = None
+        # Phase 2 runs right after the forward of the current batch, whichever
+        # TorchRec variant calls it: both call ``self._model_fwd(batches[0])``.
+        model_fwd: Callable[[Any], Any] = self._model_fwd  # type: ignore[has-type]
+
+        def forward_then_finish(batch: Any) -> Any:
+            out = model_fwd(batch)
+            self._finish_shuffles()
+            return out
+
+        self._model_fwd = forward_then_finish
+
+    @property
+    def shuffler(self) -> Shuffler:
+        """The shuffler this pipeline balances batches with."""
+        return self._shuffler
+
+    # ------------------------------------------------------------ TorchRec hooks
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        """Copy the next batch to the device and start its shuffle (phase 1)."""
+        if not super().enqueue_batch(dataloader_iter):
+            return False
+        self._start_shuffle(self.batches[-1], self.contexts[-1])
+        return True
+
+    def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
+        """Finish the batch's shuffle if still pending, then start its input dist."""
+        if batch is not None:
+            self._finish_shuffles(until=context.index)
+            batch = self._queued_batch(context, batch)
+        super().start_sparse_data_dist(batch, context)
+
+    def _init_pipelined_modules(
+        self,
+        batch: Any,
+        context: TrainPipelineContext,
+        pipelined_forward: type[PipelinedForward] = PipelinedForward,
+    ) -> None:
+        # The first batch is traced and input-dist'ed here (fill_pipeline).
+        self._finish_shuffles(until=context.index)
+        super()._init_pipelined_modules(
+            self._queued_batch(context, batch), context, pipelined_forward
+        )
+
+    def dequeue_batch(self) -> None:
+        if self.contexts:
+            self.last_step_stats = self._stats.pop(self.contexts[0].index, None)
+        super().dequeue_batch()
+
+    def reset(self) -> None:
+        self._finish_shuffles()
+        self._stats.clear()
+        super().reset()
+
+    def close(self) -> None:
+        """Finish pending shuffles (a collective: call on every rank) and stop the shuffler."""
+        self._finish_shuffles()
+        self._shuffler.close()
+
+    # ------------------------------------------------------------------ shuffles
+    def _start_shuffle(self, batch: Any, context: TrainPipelineContext) -> None:
+        if not isinstance(batch, BaseBatch):
+            raise TypeError(
+                f"{type(self).__name__} needs balancer.BaseBatch batches, got {type(batch).__name__}"
+            )
+        with record_function(f"## balancer.pipeline.start_shuffle {context.index} ##"):
+            self._fence_before_shuffle()
+            with _stream_ctx(self._memcpy_stream):
+                handle = self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg)
+            self._fence_after_shuffle()
+        self._pending.append(_PendingShuffle(context.index, batch, handle))
+
+    def _finish_shuffles(self, until: int | None = None) -> None:
+        """Run phase 2 of pending shuffles, oldest first (the shuffler's order)."""
+        while self._pending and (until is None or self._pending[0].index <= until):
+            p = self._pending.popleft()
+            with record_function(f"## balancer.pipeline.finish_shuffle {p.index} ##"):
+                self._fence_before_shuffle()
+                with _stream_ctx(self._memcpy_stream):
+                    shuffled = self._shuffler.finish_shuffle(p.batch, p.handle, pg=self._shuffle_pg)
+                self._fence_after_shuffle()
+                # The shuffled tensors were allocated on the memcpy stream but are
+                # read by the data-dist stream (input dist) and the default stream
+                # (forward); tell the caching allocator before any of them is freed.
+                for stream in self._consumer_streams():
+                    shuffled.record_stream(stream)
+            self._stats[p.index] = p.handle.stats
+            self._replace_queued_batch(p.index, shuffled)
+
+    def _replace_queued_batch(self, index: int, batch: BaseBatch) -> None:
+        for pos, ctx in enumerate(self.contexts):
+            if ctx.index == index:
+                self.batches[pos] = batch
+                return
+        # The pipeline was reset while the shuffle was pending: nothing to replace.
+        self._stats.pop(index, None)
+
+    def _queued_batch(self, context: TrainPipelineContext, default: Any) -> Any:
+        for pos, ctx in enumerate(self.contexts):
+            if ctx is context:
+                return self.batches[pos]
+        return default
+
+    # ------------------------------------------------------------------- streams
+    def _consumer_streams(self) -> list[torch.Stream]:
+        if self._memcpy_stream is None:
+            return []
+        current = torch.get_device_module(self._device).current_stream()
+        return [s for s in (current, self._data_dist_stream) if s is not None]
+
+    def _fence_before_shuffle(self) -> None:
+        # Collective-ordering hazard. The shuffler's collectives (DP group, memcpy
+        # stream) and TorchRec's (input dist on the data-dist stream, output dist
+        # and DDP's gradient all-reduce on the default stream; possibly other
+        # process groups, hence other NCCL communicators) are issued on the host
+        # in the same program order on every rank. On the device, though,
+        # collectives on different streams and communicators may *run* in any
+        # order: rank 0 could start a gradient all-reduce while rank 1 starts the
+        # shuffle's all-gather, and each waits forever for its peer. So every
+        # shuffler collective is fenced: its stream first waits for all work
+        # issued before it on the default and data-dist streams (here), and
+        # those streams wait for it before anything issued after it (in
+        # _fence_after_shuffle). The device then runs collectives in host
+        # program order, identical on every rank. The cost is small: phase 1
+        # already syncs the host on its all-gather, and phase 2 moves one batch.
+        # On CPU/gloo there are no streams; gloo matches collectives by issue
+        # order per process group, which is again the same program order.
+        if self._memcpy_stream is None or not self._communicates:
+            return
+        for stream in self._consumer_streams():
+            self._memcpy_stream.wait_stream(stream)
+
+    def _fence_after_shuffle(self) -> None:
+        # See _fence_before_shuffle: the default stream (forward/backward, loss
+        # and gradient collectives) and the data-dist stream (input dist) must
+        # not run anything issued after the shuffle before the shuffle is done.
+        if self._memcpy_stream is None or not self._communicates:
+            return
+        for stream in self._consumer_streams():
+            stream.wait_stream(self._memcpy_stream)
+
+
+class BalancedPrefetchTrainPipelineSparseDist(
+    BalancedTrainPipelineSparseDist, PrefetchTrainPipelineSparseDist
+):
+    """``PrefetchTrainPipelineSparseDist`` (cached embeddings) with balancing.
+
+    Same arguments and hooks as :class:`BalancedTrainPipelineSparseDist`; the
+    shuffle of batch ``i+2`` starts before the forward of batch ``i`` and
+    finishes right after it, before the input dist of batch ``i+2`` at the end
+    of the step. CUDA only: TorchRec's prefetch stage needs streams.
+    """
+
+
+class _AllFeaturesTokenCount:
+    """``TokenCount`` over every key of ``batch.features`` (keys read per batch)."""
+
+    def __init__(self) -> None:
+        self._by_keys: dict[tuple[str, ...], TokenCount] = {}
+
+    def __call__(self, batch: BaseBatch) -> torch.Tensor:
+        keys = tuple(batch.features.keys())
+        fn = self._by_keys.get(keys)
+        if fn is None:
+            fn = self._by_keys[keys] = TokenCount(keys)
+        return fn(batch)
+
+
+_PARTITIONS: dict[str, Callable[..., Any]] = {
+    "balanced": balanced_partition,
+    "karmarkar_karp": karmarkar_karp,
+}
+
+
+def create_train_pipeline(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    config: BalancerConfig,
+    workload_fn: WorkloadFn | None = None,
+    pg: ProcessGroup | None = None,
+    **pipeline_kwargs: Any,
+) -> BalancedTrainPipelineSparseDist:
+    """The TorchRec train pipeline ``config`` asks for, with or without balancing.
+
+    Args:
+        model: the ``DistributedModelParallel`` model.
+        optimizer: the (combined) optimizer.
+        device: the training device.
+        config: which pipeline variant and whether/how to balance.
+        workload_fn: per-sample cost ``batch -> int64[B]`` (``balancer.workloads``);
+            ``None`` balances the token count over all features.
+        pg: the data-parallel process group; ``None`` is the default group.
+        **pipeline_kwargs: passed to the TorchRec pipeline constructor.
+
+    Returns:
+        A :class:`BalancedTrainPipelineSparseDist` (``pipeline="sparse_dist"``)
+        or :class:`BalancedPrefetchTrainPipelineSparseDist` (``"prefetch"``).
+        With ``enable_balanced_shuffler=False`` it uses an
+        ``IdentityBatchShuffler`` and trains exactly like the TorchRec pipeline.
+
+    Raises:
+        ValueError: ``pipeline="prefetch"`` on a device without streams: TorchRec
+            1.8's prefetch pipeline silently skips its prefetch stage there and
+            then fails in the forward.
+    """
+    if config.pipeline == "prefetch" and device.type not in ("cuda", "mtia"):
+        raise ValueError(
+            f"BalancerConfig.pipeline='prefetch' needs a CUDA device, got device={device}; "
+            "use pipeline='sparse_dist'"
+        )
+    shuffler: Shuffler
+    if config.enable_balanced_shuffler:
+        if workload_fn is None:
+            logger.info("balancer: workload_fn=None, balancing TokenCount over all features")
+            workload_fn = _AllFeaturesTokenCount()
+        shuffler = BatchShuffler(
+            workload_fn,
+            comm=config.comm,
+            partition=_PARTITIONS[config.partition],
+            locality=config.locality,
+            log_interval=config.log_interval,
+        )
+    else:
+        shuffler = IdentityBatchShuffler()
+    cls = (
+        BalancedPrefetchTrainPipelineSparseDist
+        if config.pipeline == "prefetch"
+        else BalancedTrainPipelineSparseDist
+    )
+    return cls(model, optimizer, device, shuffler, pg=pg, **pipeline_kwargs)

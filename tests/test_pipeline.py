@@ -1,0 +1,290 @@
+"""The balanced pipeline trains the same model as plain TorchRec and a plain loop.
+
+Two gloo ranks train the example HSTU model (row-wise sharded item table,
+table-wise action table, fused SGD; dense SGD under DDP) for 12 steps, the
+last batch padded, in several modes from the same seed and data:
+
+* ``torchrec``: TorchRec's ``TrainPipelineSparseDist``.
+* ``off``: the balanced pipeline with an ``IdentityBatchShuffler``.
+* ``on``: the balanced pipeline with a ``BatchShuffler``.
+* ``loop_off`` / ``loop_on``: forward/backward/step per batch, no pipeline,
+  without / with ``shuffler.shuffle(batch)`` first.
+* ``prefetch_on``: the balanced prefetch pipeline (its prefetch stage
+  emulated on CPU, where TorchRec skips it).
+* ``on_allgather``: ``on`` with ``comm="allgather"``.
+
+``off`` must equal ``torchrec`` bit for bit; a pipeline must equal its loop
+bit for bit (same batches, same kernels). Balancing moves samples between
+ranks, which changes float32 summation order -- in the attention's padded
+matmuls, the per-rank loss sums, DDP's all-reduce and the embedding
+gradients' accumulation -- so ``on`` vs ``off`` is compared with a tolerance:
+
+* each step's loss is a sum of ~32 per-sample terms; reordering it changes the
+  result by at most ~32 ulp, i.e. relative 32 * 6e-8 = 2e-6 < ``RTOL = 1e-5``;
+* a parameter moves by ``lr * grad`` per step; the gradient differences are of
+  that same relative size, so after 12 steps with lr 0.05 and |grad| < 1 the
+  parameters differ by < 12 * 0.05 * 2e-6 ~ 1e-6 absolute at worst
+  (``ATOL = 1e-6``), far less in practice.
+
+The test asserts the bound and that the measured deviation is below a tenth
+of it, so a real divergence (a sample lost or counted twice changes the loss
+by ~1/64 relative) cannot hide inside the tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from balancer.config import BalancerConfig
+from balancer.loss import global_loss_value
+from balancer.pipeline import (
+    BalancedPrefetchTrainPipelineSparseDist,
+    BalancedTrainPipelineSparseDist,
+    create_train_pipeline,
+)
+from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
+from balancer.testing import run_workers
+from balancer.workloads import TokenCount
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from synthetic_data import ITEM_FEATURE, SyntheticHSTUData  # noqa: E402
+from train_hstu import build_model, parse_args  # noqa: E402
+
+RTOL = 1e-5
+ATOL = 1e-6
+STEPS = 12
+# mode -> (how to train, shuffler comm or None for no balancing)
+MODES = {
+    "torchrec": ("torchrec", None),
+    "off": ("pipeline", None),
+    "on": ("pipeline", "all2all"),
+    "on_allgather": ("pipeline", "allgather"),
+    "prefetch_on": ("prefetch", "all2all"),
+    "loop_off": ("loop", None),
+    "loop_on": ("loop", "all2all"),
+}
+ARGS = ["--batch-size", "16", "--max-seqlen", "48", "--dim", "16", "--num-layers", "1", "--lr", "0.05"]
+
+
+class _CPUPrefetch(BalancedPrefetchTrainPipelineSparseDist):
+    """Emulates TorchRec's prefetch stage without streams (it returns early on CPU)."""
+
+    def _prefetch(self, context: Any) -> None:
+        context.module_input_post_prefetch.clear()
+        context.module_contexts_post_prefetch.clear()
+        for module in self._pipelined_modules:
+            name = module.forward._name
+            dist_input = context.input_dist_tensors_requests.pop(name).wait()
+            module_ctx = context.module_contexts.pop(name)
+            module.prefetch(ctx=module_ctx, dist_input=dist_input, forward_stream=None)
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_ctx
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Dense parameters and this rank's embedding shards, as numpy."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if hasattr(value, "local_shards"):  # a table-wise table may have no shard here
+            value = torch.cat([torch.zeros(0)] + [s.tensor.flatten() for s in value.local_shards()])
+        out[name] = value.detach().cpu().numpy().copy()
+    return out
+
+
+def _train(
+    rank: int, mode: str, events: list[str] | None = None, late_enqueue: bool = False
+) -> dict[str, Any]:
+    args = parse_args(ARGS)
+    pg = dist.group.WORLD
+    device = torch.device("cpu")
+    model, optimizer = build_model(args, device, pg)
+    data = SyntheticHSTUData(rank=rank, batch_size=16, num_batches=STEPS, max_seqlen=48, seed=3)
+    runner, comm = MODES[mode]
+    shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), comm=comm) if comm else None
+    losses: list[float] = []
+    imbalance: list[tuple[float, float, float]] = []  # (before, after, moved fraction)
+    model.train()
+    if runner == "loop":
+        for batch in data:
+            if shuffler is not None:
+                batch = shuffler.shuffle(batch, pg=pg)
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(global_loss_value(loss, pg=pg))
+    else:
+        if runner == "torchrec":
+            pipe: Any = TrainPipelineSparseDist(model, optimizer, device)
+        else:
+            cls = _CPUPrefetch if runner == "prefetch" else BalancedTrainPipelineSparseDist
+            shuf = shuffler if shuffler is not None else IdentityBatchShuffler()
+            kwargs: dict[str, Any] = {"enqueue_batch_after_forward": True} if late_enqueue else {}
+            if events is not None:
+                shuf = _Recorder(shuf, events)
+
+                def fwd(batch: Any) -> Any:
+                    events.append(f"forward {_batch_id(batch)}")
+                    return model(batch)
+
+                kwargs["custom_model_fwd"] = fwd
+            pipe = cls(model, optimizer, device, shuf, pg=pg, **kwargs)
+        it = iter(data)
+        while True:
+            try:
+                out = pipe.progress(it)
+            except StopIteration:
+                break
+            losses.append(global_loss_value(out[0], pg=pg))
+            stats = getattr(pipe, "last_step_stats", None)
+            if shuffler is not None:
+                imbalance.append((stats.imbalance_before, stats.imbalance_after, stats.moved_fraction))
+        if hasattr(pipe, "close"):
+            pipe.close()
+    if shuffler is not None:
+        shuffler.close()
+    return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance}
+
+
+def _batch_id(batch: Any) -> int:
+    # Total of the item ids identifies a batch across a shuffle (sum over ranks).
+    return int(batch.features.values().sum())
+
+
+def _worker_modes(rank: int, world: int, modes: list[str]) -> dict[str, Any]:
+    return {mode: _train(rank, mode) for mode in modes}
+
+
+def _max_dev(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Max |loss_a - loss_b| / |loss_b| and max |param_a - param_b|."""
+    la, lb = np.array(a["losses"]), np.array(b["losses"])
+    loss_rel = float(np.max(np.abs(la - lb) / np.abs(lb)))
+    param_abs = max(float(np.max(np.abs(a["params"][k] - b["params"][k]), initial=0.0)) for k in b["params"])
+    return loss_rel, param_abs
+
+
+def _assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["params"].keys() == b["params"].keys()
+    for k in b["params"]:
+        np.testing.assert_array_equal(a["params"][k], b["params"][k], err_msg=k)
+
+
+def _assert_close(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    assert len(a["losses"]) == len(b["losses"]) == STEPS
+    np.testing.assert_allclose(a["losses"], b["losses"], rtol=RTOL)
+    for k in b["params"]:
+        np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=RTOL, atol=ATOL, err_msg=k)
+    loss_rel, param_abs = _max_dev(a, b)
+    assert loss_rel < RTOL / 10 and param_abs < ATOL / 10, (loss_rel, param_abs)
+    return loss_rel, param_abs
+
+
+def test_balanced_pipeline_matches_torchrec_loop_and_unbalanced() -> None:
+    outs = run_workers(_worker_modes, 2, list(MODES), timeout=300)
+    for rank, res in enumerate(outs):
+        # Identity shuffler: bit-identical to plain TorchRec and to the loop.
+        _assert_equal(res["off"], res["torchrec"])
+        _assert_equal(res["off"], res["loop_off"])
+        # Balanced: the pipelines train exactly like the balanced loop ...
+        _assert_equal(res["on"], res["loop_on"])
+        _assert_equal(res["prefetch_on"], res["loop_on"])
+        _assert_equal(res["on_allgather"], res["loop_on"])
+        # ... and like no balancing up to float32 summation order.
+        loss_rel, param_abs = _assert_close(res["on"], res["off"])
+        # Balancing happened: every step has stats, samples moved, balance improved.
+        before, after, moved = np.array(res["on"]["imbalance"]).T
+        assert len(before) == STEPS and moved.sum() > 0, res["on"]["imbalance"]
+        assert np.all(after <= before) and after.mean() < before.mean()
+        print(
+            f"rank {rank}: on vs off max loss rel dev {loss_rel:.2e}, max param abs dev "
+            f"{param_abs:.2e}; imbalance {before.mean():.3f} -> {after.mean():.3f}, "
+            f"moved {moved.mean():.2f}"
+        )
+    # The global loss is the same number on every rank.
+    assert outs[0]["on"]["losses"] == outs[1]["on"]["losses"]
+
+
+class _Recorder:
+    """Wraps a shuffler and records phase 1 / phase 2 by batch id."""
+
+    def __init__(self, inner: Any, events: list[str]) -> None:
+        self.inner, self.events = inner, events
+
+    def start_shuffle_async(self, batch: Any, pg: Any = None) -> Any:
+        self.events.append(f"phase1 {_batch_id(batch)}")
+        return self.inner.start_shuffle_async(batch, pg=pg)
+
+    def finish_shuffle(self, batch: Any, handle: Any, pg: Any = None) -> Any:
+        out = self.inner.finish_shuffle(batch, handle, pg=pg)
+        self.events.append(f"phase2 {_batch_id(batch)}")
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _worker_order(rank: int, world: int) -> list[str]:
+    events: list[str] = []
+    _train(rank, "on", events)
+    return events
+
+
+def test_hook_order() -> None:
+    """Phase 1 of batch i+2 before the forward of batch i, phase 2 right after it."""
+    events = run_workers(_worker_order, 2, timeout=300)[0]
+    phase1 = [e for e in events if e.startswith("phase1")]
+    assert len(phase1) == STEPS
+    fwd_pos = [i for i, e in enumerate(events) if e.startswith("forward")]
+    assert len(fwd_pos) == STEPS
+    for step in range(STEPS - 2):
+        f = fwd_pos[step]
+        # batch step+2 is started after the previous forward and before this one
+        # and finished right after this forward.
+        assert events[f - 1].startswith("phase1"), events[f - 2 : f + 2]
+        assert events[f + 1].startswith("phase2"), events[f - 2 : f + 2]
+        assert events[f - 1].split()[1] == events[f + 1].split()[1], "same batch"
+
+
+def _worker_late_enqueue(rank: int, world: int) -> list[dict[str, Any]]:
+    return [_train(rank, "on", late_enqueue=True), _train(rank, "loop_on")]
+
+
+def test_enqueue_after_forward_still_shuffles_before_input_dist() -> None:
+    """With ``enqueue_batch_after_forward`` phase 1 runs after the forward; the
+    shuffle is then finished by ``start_sparse_data_dist``: same training."""
+    for late, loop in run_workers(_worker_late_enqueue, 2, timeout=300):
+        _assert_equal(late, loop)
+
+
+# ----------------------------------------------------------- single process
+def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, cpu = torch.nn.Linear(2, 2), None, torch.device("cpu")
+    off = create_train_pipeline(model, opt, cpu, BalancerConfig())  # type: ignore[arg-type]
+    assert type(off) is BalancedTrainPipelineSparseDist
+    assert isinstance(off.shuffler, IdentityBatchShuffler)
+    with caplog.at_level(logging.INFO, logger="balancer.pipeline"):
+        on = create_train_pipeline(
+            model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True, comm="allgather")  # type: ignore[arg-type]
+        )
+    assert isinstance(on.shuffler, BatchShuffler) and on.shuffler.config.comm == "allgather"
+    assert [r.message for r in caplog.records if "TokenCount over all features" in r.message]
+    with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
+        create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]
+
+
+def test_non_basebatch_is_rejected() -> None:
+    pipe = create_train_pipeline(
+        torch.nn.Linear(2, 2), None, torch.device("cpu"), BalancerConfig()  # type: ignore[arg-type]
+    )
+    with pytest.raises(TypeError, match=r"needs balancer.BaseBatch batches, got Tensor"):
+        pipe.progress(iter([torch.zeros(2, 2)]))
