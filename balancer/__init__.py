@@ -10,6 +10,15 @@ Data path per training step (see docs/design.md):
 """
 
 from balancer.batch import BaseBatch, pad_batch
+from balancer.config import BalancerConfig
+from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
+from balancer.partition import balanced_partition, karmarkar_karp, lower_bound
+from balancer.pipeline import (
+    BalancedPrefetchTrainPipelineSparseDist,
+    BalancedTrainPipelineSparseDist,
+    create_train_pipeline,
+)
+from balancer.shuffler import BatchShuffler, IdentityBatchShuffler, ShuffleHandle, ShuffleStats
 from balancer.workloads import (
     Calibration,
     HSTUAttentionCost,
@@ -22,14 +31,28 @@ from balancer.workloads import (
 )
 
 __all__ = [
+    "BalancedPrefetchTrainPipelineSparseDist",
+    "BalancedTrainPipelineSparseDist",
+    "BalancerConfig",
     "BaseBatch",
+    "BatchShuffler",
     "Calibration",
     "HSTUAttentionCost",
+    "IdentityBatchShuffler",
     "PolynomialCost",
     "SelfAttentionCost",
+    "ShuffleHandle",
+    "ShuffleStats",
     "TokenCount",
     "WorkloadFn",
+    "balanced_partition",
     "calibrate",
+    "create_train_pipeline",
     "fit_polynomial",
+    "global_loss_value",
+    "global_mean_loss",
+    "global_weighted_mean_loss",
+    "karmarkar_karp",
+    "lower_bound",
     "pad_batch",
 ]
