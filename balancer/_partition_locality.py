@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer._partition_refine import polish, swap_rounds
+from balancer._partition_refine import polish, polish_pairs, swap_rounds
 
 __all__ = ["assign_parts", "localize_rows", "rebalance_from_home", "stay_bytes", "tie_swaps"]
 
@@ -144,6 +144,7 @@ def rebalance_from_home(x: np.ndarray, home: np.ndarray, max_load: int | float,
     if loads.max() > max_load:
         swap_rounds(v, prow, loads, max_load, 16, max(1, 256 // max(b, 1)))
         polish(v, prow, loads, max_load, max_steps)
+        polish_pairs(v, prow, loads, max_load, 16)
     if loads.max() > max_load:
         return None
     return np.sort(srt[prow], axis=1)

@@ -44,12 +44,14 @@ import numpy as np
 from balancer._partition_kk import kk_equal, kk_free
 from balancer._partition_locality import localize_rows
 from balancer._partition_lpt import lpt
-from balancer._partition_refine import polish, swap_rounds
+from balancer._partition_refine import polish, polish_pairs, swap_rounds
+from balancer._partition_worker import PartitionWorker
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "PartitionStats",
+    "PartitionWorker",
     "balanced_partition",
     "imbalance",
     "karmarkar_karp",
@@ -61,6 +63,7 @@ __all__ = [
 # Total workload must stay below this so that doubled sums never overflow int64.
 _MAX_TOTAL = 1 << 61
 _ROUNDS = 8  # parallel swap rounds before the single-swap polish
+_PAIR_STEPS = 8  # two-for-two swaps when single swaps are stuck above target
 
 
 def _check_num_parts(num_parts: int) -> None:
@@ -231,9 +234,11 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
                        rtol: float = 1e-5) -> list[list[int]]:
     """The library's partitioner: LPT with a cardinality cap, then swap refinement.
 
-    Example: workloads ``[9, 1, 8, 2, 7, 3]`` into 2 parts of 3 gives loads
-    15 and 15, e.g. ``[[0, 1, 5], [2, 3, 4]]`` (9+1+3 and 8+2+7)... or another
-    optimal split; the result is deterministic.
+    Example: workloads ``[9, 1, 8, 2, 7, 3]`` into 2 parts of 3 gives
+    ``[[0, 3, 5], [1, 2, 4]]`` with loads 14 and 16 (contiguous chunks: 18
+    and 12). 16 is optimal: one part holds two of the three largest (9, 8, 7),
+    so at least ``8 + 7`` plus the smallest item ``1`` -- the pigeonhole term
+    of :func:`lower_bound`.
 
     Args:
         workloads: [N] non-negative workloads (int or float; list, ndarray or
@@ -272,6 +277,8 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
         if loads.max() > target:
             swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b))
             polish(v, rows, loads, target, 4 * w + 32)
+        if loads.max() > target:
+            polish_pairs(v, rows, loads, target, _PAIR_STEPS)
         parts = _to_lists(order, rows)
     if home is not None:
         return localize(parts, x, home, sizes)

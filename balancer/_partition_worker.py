@@ -1,0 +1,202 @@
+"""Run the partition in a child process, so it never competes for the GIL.
+
+Why: numpy releases the GIL inside sorts, searches and large element-wise
+calls. When the shuffler's partition thread does that while the main thread is
+busy in Python, the partition waits up to ``sys.getswitchinterval()`` (5 ms)
+to get the GIL back -- once per such call, so a 2 ms partition takes 40+ ms
+(see ``docs/benchmarks_partition.md``). Doing the numpy work with the GIL held
+instead stalls the main thread for its whole duration.
+
+A :class:`PartitionWorker` owns one child interpreter (``python -c``, started
+once, imports only numpy and ``balancer._partition_*``: no torch, ~0.2 s).
+A call writes the raw workloads to the child's stdin and blocks on its stdout:
+the calling thread sleeps in ``read`` without the GIL, the main thread runs
+undisturbed, and the calling thread needs the GIL once, to decode the answer.
+Validation happens in the child; its ``ValueError`` is re-raised here.
+
+Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
+flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes];
+reply ``<qq`` = (status, length) then either ``n`` int64 (rows, part-major)
+or a UTF-8 error message.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PartitionHandle", "PartitionWorker"]
+
+_REQ = struct.Struct("<qqqq")
+_REP = struct.Struct("<qq")
+_DTYPES = {0: np.dtype("<i8"), 1: np.dtype("<f8")}
+_BOOT = (
+    "import sys, types\n"
+    "pkg = types.ModuleType('balancer'); pkg.__path__ = [sys.argv[1]]\n"
+    "sys.modules['balancer'] = pkg  # skip balancer/__init__ (torch): numpy only\n"
+    "from balancer._partition_worker import _serve\n"
+    "_serve(0, 1)\n"
+)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("partition worker closed its pipe")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
+
+
+def _serve(fd_in: int, fd_out: int) -> None:
+    """Child loop: answer requests until stdin closes."""
+    from balancer.partition import balanced_partition
+
+    while True:
+        try:
+            head = _read_exact(fd_in, _REQ.size)
+        except EOFError:
+            return
+        n, w, code, flags = _REQ.unpack(head)
+        x = np.frombuffer(_read_exact(fd_in, 8 * n), _DTYPES[code])
+        home = sizes = None
+        if flags & 1:
+            home = np.frombuffer(_read_exact(fd_in, 8 * n), np.int64)
+            sizes = np.frombuffer(_read_exact(fd_in, 8 * n), np.float64)
+        try:
+            rows = np.asarray(balanced_partition(x, w, home, sizes), dtype="<i8")
+            _write_all(fd_out, _REP.pack(0, rows.nbytes) + rows.tobytes())
+        except (ValueError, TypeError) as e:
+            msg = str(e).encode()
+            _write_all(fd_out, _REP.pack(1, len(msg)) + msg)
+
+
+class PartitionHandle:
+    """A submitted partition; :meth:`wait` returns its parts (once ready)."""
+
+    def __init__(self, worker: PartitionWorker, num_parts: int, n: int) -> None:
+        self._worker = worker
+        self.num_parts = num_parts
+        self.n = n
+        self._reply: tuple[int, bytes] | None = None
+
+    def done(self) -> bool:
+        """Whether the reply was already read (never blocks)."""
+        return self._reply is not None
+
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without blocking (never blocks)."""
+        return self._reply is not None or self._worker._readable()
+
+    def wait(self) -> list[list[int]]:
+        """Block until the child answered; same result and errors as ``balanced_partition``."""
+        self._worker._collect(self)
+        assert self._reply is not None, "collect fills the reply"
+        status, body = self._reply
+        if status:
+            raise ValueError(body.decode())
+        out: list[list[int]] = np.frombuffer(body, "<i8").reshape(
+            self.num_parts, self.n // self.num_parts).tolist()
+        return out
+
+
+class PartitionWorker:
+    """``balanced_partition`` (optionally with ``localize``) in a child process.
+
+    Two ways to use it::
+
+        worker = PartitionWorker()
+        parts = worker(workloads, num_parts)        # blocking, from any thread
+        handle = worker.submit(workloads, num_parts, home, sizes)  # main thread...
+        ...                                         # ... launches GPU work meanwhile
+        parts = handle.wait()                       # no thread, no GIL hand-off
+        worker.close()
+
+    With ``home`` the child also runs ``localize``. Requests are answered in
+    order by one child; it exits when the worker is closed, garbage-collected,
+    or its parent dies (stdin closes).
+    """
+
+    def __init__(self) -> None:
+        pkg_dir = os.path.dirname(os.path.abspath(__file__))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, pkg_dir],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+        )
+        assert self._proc.stdin is not None and self._proc.stdout is not None, "pipes requested"
+        self._fd_out = self._proc.stdin.fileno()
+        self._fd_in = self._proc.stdout.fileno()
+        self._lock = threading.Lock()
+        self._pending: collections.deque[PartitionHandle] = collections.deque()
+        self._finalizer = weakref.finalize(self, _stop, self._proc)
+
+    def __call__(self, workloads: Any, num_parts: int, home: Any = None,
+                 sizes: Any = None) -> list[list[int]]:
+        """Partition in the child and wait; same arguments as ``balanced_partition``."""
+        return self.submit(workloads, num_parts, home, sizes).wait()
+
+    def submit(self, workloads: Any, num_parts: int, home: Any = None,
+               sizes: Any = None) -> PartitionHandle:
+        """Send a request and return at once; :meth:`PartitionHandle.wait` collects it."""
+        arr = np.asarray(workloads)
+        if arr.dtype.kind in "biu":
+            code, arr = 0, arr.astype("<i8", copy=False)
+        elif arr.dtype.kind == "f":
+            code, arr = 1, arr.astype("<f8", copy=False)
+        else:
+            raise ValueError(f"workloads has dtype {arr.dtype}, expected integers or floats")
+        n, w = arr.size, int(num_parts)
+        if w < 1:
+            raise ValueError(f"num_parts={num_parts}, expected >= 1")
+        chunks = [_REQ.pack(n, w, code, int(home is not None)), arr.tobytes()]
+        if home is not None:
+            chunks.append(np.asarray(home, dtype="<i8").tobytes())
+            sz = np.ones(n) if sizes is None else np.asarray(sizes, dtype="<f8")
+            chunks.append(sz.tobytes())
+        handle = PartitionHandle(self, w, n)
+        with self._lock:
+            _write_all(self._fd_out, b"".join(chunks))
+            self._pending.append(handle)
+        return handle
+
+    def _readable(self) -> bool:
+        return bool(select.select([self._fd_in], [], [], 0)[0])
+
+    def _collect(self, handle: PartitionHandle) -> None:
+        with self._lock:
+            while not handle.done():
+                status, length = _REP.unpack(_read_exact(self._fd_in, _REP.size))
+                self._pending.popleft()._reply = (status, _read_exact(self._fd_in, length))
+
+    def close(self) -> None:
+        """Stop the child process (idempotent)."""
+        self._finalizer()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()

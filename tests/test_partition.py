@@ -1,0 +1,323 @@
+"""Tests for balancer.partition: invariants over random instances, bounds, errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from balancer.partition import (
+    PartitionStats,
+    PartitionWorker,
+    balanced_partition,
+    imbalance,
+    karmarkar_karp,
+    localize,
+    lower_bound,
+    partition_stats,
+)
+
+
+def _lengths(dist: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    if dist == "uniform":
+        return rng.integers(1, 4097, n)
+    if dist == "zipf":
+        return np.minimum(rng.zipf(1.2, n), 4096)
+    if dist == "ties":
+        return rng.integers(0, 4, n)
+    out = np.clip(np.rint(rng.lognormal(6.0, 1.0, n)), 1, 8192).astype(np.int64)
+    if dist == "padded":
+        out[rng.random(n) < 0.1] = 0
+    return out
+
+
+def _instances(count: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        w = int(rng.integers(1, 65))
+        b = int(rng.integers(1, 65))
+        dist = ("uniform", "lognormal", "zipf", "padded", "ties")[i % 5]
+        lens = _lengths(dist, w * b, rng).astype(np.int64)
+        out.append((lens * lens + 1024 * lens, w))
+    return out
+
+
+INSTANCES = _instances(60)
+
+
+def _check_parts(parts: list[list[int]], n: int, w: int, equal: bool = True) -> None:
+    assert len(parts) == w
+    flat = sorted(i for p in parts for i in p)
+    assert flat == list(range(n)), "every index exactly once"
+    if equal:
+        assert all(len(p) == n // w for p in parts), "every part exactly B items"
+
+
+def _max_load(x: np.ndarray, parts: list[list[int]]) -> int | float:
+    """Exact for ints (Python ints), plain float sums for floats."""
+    return max((x[np.asarray(p, dtype=np.int64)].sum().item() for p in parts), default=0)
+
+
+@pytest.mark.parametrize("case", range(len(INSTANCES)))
+def test_balanced_partition_invariants(case: int) -> None:
+    x, w = INSTANCES[case]
+    parts = balanced_partition(x, w)
+    _check_parts(parts, x.size, w)
+    top = _max_load(x, parts)
+    contiguous = int(x.reshape(w, -1).sum(axis=1).max())
+    assert top <= contiguous, "never worse than no balancing"
+    assert top >= lower_bound(x, w), "never below the lower bound"
+    assert all(p == sorted(p) for p in parts)
+
+
+@pytest.mark.parametrize("case", range(0, len(INSTANCES), 3))
+def test_karmarkar_karp_invariants(case: int) -> None:
+    x, w = INSTANCES[case]
+    parts = karmarkar_karp(x, w)
+    _check_parts(parts, x.size, w)
+    assert _max_load(x, parts) >= lower_bound(x, w)
+    free = karmarkar_karp(x, w, equal_size=False)
+    _check_parts(free, x.size, w, equal=False)
+    assert _max_load(x, free) >= x.sum() / w
+
+
+def test_karmarkar_karp_matches_textbook_on_small_example() -> None:
+    # Rows (1,2) (3,4) (5,6) merged largest-spread first: loads 10 and 11.
+    parts = karmarkar_karp([1, 2, 3, 4, 5, 6], 2)
+    loads = sorted(sum([1, 2, 3, 4, 5, 6][i] for i in p) for p in parts)
+    assert loads == [10, 11]
+    free = karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
+    assert sorted(sum([8, 7, 6, 5, 4][i] for i in p) for p in free) == [14, 16]
+
+
+def test_karmarkar_karp_equal_size_false_allows_any_length() -> None:
+    parts = karmarkar_karp([10, 1, 1, 1, 1, 1, 1], 2, equal_size=False)
+    _check_parts(parts, 7, 2, equal=False)
+    assert sorted(len(p) for p in parts) == [1, 6]
+
+
+def test_determinism_and_input_types() -> None:
+    x, w = INSTANCES[7]
+    first = balanced_partition(x, w)
+    assert balanced_partition(x, w) == first
+    assert balanced_partition(x.tolist(), w) == first
+    assert balanced_partition(torch.from_numpy(x), w) == first
+    assert balanced_partition(x.astype(np.int32), w) == first
+    assert karmarkar_karp(torch.from_numpy(x), w) == karmarkar_karp(x.tolist(), w)
+    assert lower_bound(torch.from_numpy(x), w) == lower_bound(x, w)
+
+
+@pytest.mark.parametrize("w,b", [(1, 5), (5, 1), (4, 4), (3, 7)])
+def test_edge_shapes(w: int, b: int) -> None:
+    n = w * b
+    for x in (np.full(n, 7), np.zeros(n, np.int64), np.arange(n)):
+        parts = balanced_partition(x, w)
+        _check_parts(parts, n, w)
+        if x.max() == x.min():
+            assert _max_load(x, parts) == int(x[:b].sum()), "equal workloads: perfect balance"
+        _check_parts(karmarkar_karp(x, w), n, w)
+
+
+def test_empty_input() -> None:
+    assert balanced_partition([], 3) == [[], [], []]
+    assert karmarkar_karp(np.zeros(0), 2) == [[], []]
+    assert lower_bound([], 2) == 0.0
+
+
+def test_float_inputs() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.random(96) * 10
+    parts = balanced_partition(x, 8)
+    _check_parts(parts, 96, 8)
+    top = _max_load(x, parts)
+    assert lower_bound(x, 8) <= top <= x.reshape(8, -1).sum(axis=1).max()
+    assert top <= lower_bound(x, 8) * (1 + 1e-3)
+    _check_parts(karmarkar_karp(x.tolist(), 8), 96, 8)
+
+
+def test_large_integers_are_exact() -> None:
+    rng = np.random.default_rng(4)
+    x = (1 << 40) + rng.integers(0, 1 << 20, 64)
+    parts = balanced_partition(x, 4)
+    loads = [sum(int(x[i]) for i in p) for p in parts]  # Python ints: exact
+    stats = partition_stats(x, parts)
+    assert [int(v) for v in stats.loads] == loads
+    assert stats.max_load == max(loads)
+    assert lower_bound(x, 4) <= max(loads)
+    # Two parts of one item each: the bound is the exact max item.
+    assert lower_bound([(1 << 40) + 1, 1 << 40], 2) == float((1 << 40) + 1)
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"workloads has 10 entries, not divisible by num_parts=4"):
+        balanced_partition(np.ones(10), 4)
+    with pytest.raises(ValueError, match=r"workloads has 10 entries, not divisible by num_parts=4"):
+        karmarkar_karp(list(range(10)), 4)
+    with pytest.raises(ValueError, match=r"num_parts=0, expected >= 1"):
+        balanced_partition([1, 2], 0)
+    with pytest.raises(ValueError, match=r"workloads\[1\] = -3, expected >= 0"):
+        balanced_partition([1, -3], 2)
+    with pytest.raises(ValueError, match=r"workloads\[0\] = nan, expected a finite value"):
+        lower_bound([float("nan"), 1.0], 2)
+    with pytest.raises(ValueError, match=r"workloads\[1\] = inf"):
+        balanced_partition([1.0, float("inf")], 1)
+    with pytest.raises(ValueError, match=r"shape \(2, 2\), expected 1-D"):
+        balanced_partition(np.ones((2, 2)), 2)
+    with pytest.raises(ValueError, match=r"dtype <U1"):
+        balanced_partition(["a", "b"], 2)
+    with pytest.raises(ValueError, match=r"expected < 2\*\*61"):
+        balanced_partition([1 << 62, 1 << 62], 2)
+    with pytest.raises(TypeError, match=r"num_parts=2.0, expected an int"):
+        balanced_partition([1, 2], 2.0)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ tiny instances, brute force
+def _equal_partitions(n: int, w: int):  # type: ignore[no-untyped-def]
+    """All partitions of range(n) into w unordered groups of n // w."""
+    b = n // w
+
+    def rec(items: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for others in itertools.combinations(rest, b - 1):
+            left = tuple(i for i in rest if i not in others)
+            for tail in rec(left):
+                yield [(first, *others), *tail]
+
+    yield from rec(tuple(range(n)))
+
+
+def _optimum(x: np.ndarray, w: int) -> int:
+    return min(max(int(x[list(g)].sum()) for g in part) for part in _equal_partitions(x.size, w))
+
+
+def test_bound_and_partition_against_brute_force() -> None:
+    rng = np.random.default_rng(5)
+    shapes = [(2, 2), (2, 3), (2, 4), (3, 2), (4, 2)]
+    hits = total = 0
+    for trial in range(150):
+        w, b = shapes[trial % len(shapes)]
+        kind = trial % 3
+        if kind == 0:
+            x = rng.integers(0, 20, w * b)
+        elif kind == 1:
+            x = rng.integers(1, 1000, w * b) ** 2
+        else:
+            x = np.where(rng.random(w * b) < 0.3, rng.integers(500, 1000, w * b), rng.integers(0, 5, w * b))
+        opt = _optimum(x, w)
+        assert lower_bound(x, w) <= opt
+        got = _max_load(x, balanced_partition(x, w, rtol=0.0))
+        assert got >= opt
+        hits += got == opt
+        total += 1
+        if w == 2 and b == 2:
+            assert got == opt, "two parts of two: one swap reaches the optimum"
+    assert hits / total >= 0.95, f"optimal on {hits}/{total} tiny instances"
+
+
+def test_bound_is_tight_for_one_huge_item() -> None:
+    x = np.array([100, 1, 1, 1, 2, 2, 3, 3])
+    assert lower_bound(x, 2) == 103.0  # 100 + the 3 smallest
+    assert _max_load(x, balanced_partition(x, 2)) == 103
+
+
+# ------------------------------------------------------------ stats
+def test_partition_stats_and_imbalance() -> None:
+    x = np.array([9, 1, 8, 2, 7, 3])
+    before = imbalance(x, 2)
+    assert isinstance(before, PartitionStats)
+    assert before.loads.tolist() == [18, 12]
+    parts = balanced_partition(x, 2)
+    assert parts == [[0, 3, 5], [1, 2, 4]]  # the docstring example
+    after = partition_stats(x, parts)
+    assert after.max_load == 16 and after.bound == 16 and after.max_over_bound == 1.0
+    assert after.max_over_mean == pytest.approx(16 / 15)
+    assert after.speedup_over(before) == pytest.approx(18 / 16)
+
+
+# ------------------------------------------------------------ locality
+def _dest(parts: list[list[int]], n: int) -> np.ndarray:
+    dest = np.empty(n, np.int64)
+    for r, p in enumerate(parts):
+        dest[p] = r
+    return dest
+
+
+@pytest.mark.parametrize("case", range(0, 40, 4))
+def test_localize_invariants(case: int) -> None:
+    x, w = INSTANCES[case]
+    n = x.size
+    home = np.arange(n) // (n // w)
+    sizes = np.sqrt(x) + 1.0
+    parts = balanced_partition(x, w)
+    out = localize(parts, x, home, sizes)
+    _check_parts(out, n, w)
+    assert sorted(map(sorted, out)) != [] and sorted(i for p in out for i in p) == list(range(n))
+    assert _max_load(x, out) <= _max_load(x, parts), "never raises the max load"
+    stay = sizes[_dest(out, n) == home].sum()
+    blind = sizes[_dest(parts, n) == home].sum()
+    assert stay >= blind, "at least the placement-blind assignment"
+    rng = np.random.default_rng(case)
+    shuffled = [parts[i] for i in rng.permutation(w)]
+    assert sizes[_dest(localize(shuffled, x, home, sizes), n) == home].sum() >= \
+        sizes[_dest(shuffled, n) == home].sum(), "at least the identity assignment"
+
+
+def test_localize_keeps_a_balanced_home() -> None:
+    # Home is already perfectly balanced: every rank has the same multiset.
+    w, b = 4, 6
+    x = np.tile(np.array([5, 1, 9, 3, 7, 2]), w)
+    home = np.arange(w * b) // b
+    home_parts = [list(range(r * b, (r + 1) * b)) for r in range(w)]
+    rng = np.random.default_rng(0)
+    shuffled = [home_parts[i] for i in rng.permutation(w)]
+    assert localize(shuffled, x, home) == home_parts
+    assert balanced_partition(x, w, home=home) == home_parts
+    # Items of equal workload are interchangeable: a scrambled but equally
+    # balanced partition is brought back home.
+    scrambled = [[r + w * k for k in range(b)] for r in range(w)]
+    assert localize(scrambled, np.arange(w * b) * 0 + 1, home) == home_parts
+
+
+def test_localize_moves_little_at_four_ranks() -> None:
+    rng = np.random.default_rng(1)
+    w, b = 4, 128
+    lens = np.clip(np.rint(rng.lognormal(6, 1, w * b)), 1, 8192).astype(np.int64)
+    x = lens * lens + 1024 * lens
+    home = np.arange(w * b) // b
+    sizes = 64 + 8 * lens
+    parts = balanced_partition(x, w)
+    out = localize(parts, x, home, sizes)
+    moved = sizes[_dest(out, w * b) != home].sum()
+    blind = sizes[_dest(parts, w * b) != home].sum()
+    assert moved <= 0.5 * blind, "the shuffler's target: <= 50 % of placement-blind bytes"
+    assert _max_load(x, out) <= _max_load(x, parts)
+
+
+def test_localize_errors() -> None:
+    with pytest.raises(ValueError, match="permutation"):
+        localize([[0, 1], [1, 2]], [1, 1, 1, 1], [0, 0, 1, 1])
+    with pytest.raises(ValueError, match="home"):
+        localize([[0, 1], [2, 3]], [1, 1, 1, 1], [0, 0, 1, 2])
+
+
+# ------------------------------------------------------------ worker process
+def test_partition_worker_matches_in_process() -> None:
+    worker = PartitionWorker()
+    try:
+        x, w = INSTANCES[11]
+        assert worker(x, w) == balanced_partition(x, w)
+        home = np.arange(x.size) // (x.size // w)
+        assert worker.submit(x, w, home).wait() == balanced_partition(x, w, home=home)
+        assert worker(np.arange(12, dtype=np.float64), 3) == balanced_partition(np.arange(12.0), 3)
+        with pytest.raises(ValueError, match="not divisible by num_parts=4"):
+            worker(np.ones(10), 4)
+        assert worker([], 2) == [[], []]
+    finally:
+        worker.close()
+        worker.close()
