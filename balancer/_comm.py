@@ -7,12 +7,9 @@ agreement of phase 1 or derived from data that every rank has seen identically
 (the gathered headers, or lengths received in the same shuffle): a rank never
 sizes a message from data the other ranks have not validated.
 
-Wire format: a batch is a grid of byte segments, one row per sample and one
-column per KJT key's values, per KJT key's weights and per dense field (see
-:class:`balancer._plan.WireLayout`). A batch's tensors, concatenated, are that
-grid column by column; a packed send buffer is the grid row by row (sample by
-sample) for the samples in send order. One jagged gather converts between the
-two, at memcpy speed on CPU (fbgemm) and CUDA.
+Wire format (see :class:`balancer._plan.WireLayout`): per destination, a chunk
+holds each section's data of the samples sent there, in the batch's own layout
+(key by key, sample by sample); lengths travel in their own collective first.
 """
 
 from __future__ import annotations
@@ -25,23 +22,25 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer._plan import RankPlan, WireLayout
+from balancer._plan import (
+    RankPlan,
+    WireLayout,
+    gather_segments,
+    lengths_matrix,
+    opaque,
+    section_elements,
+    section_tensor,
+)
 from balancer.batch import BaseBatch, pad_batch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Traffic",
-    "all_gather_fixed",
-    "all_to_all_uneven",
-    "redistribute_all2all",
-    "redistribute_allgather",
-    "sample_bytes",
+    "Traffic", "all_gather_fixed", "all_to_all_uneven", "redistribute_all2all", "redistribute_allgather",
 ]
 
 # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_FBGEMM_DTYPES = (torch.int32, torch.int64, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,206 +120,175 @@ def all_to_all_uneven(
 
 
 # ------------------------------------------------------------------ packing
-def _lengths_matrix(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
-    """[K_total, B] int64 lengths of every KJT field, stacked."""
-    kjts = batch.kjt_fields()
-    b = layout.batch_size
-    rows = [kjts[s.name].lengths().view(len(s.keys), b).to(torch.int64) for s in layout.kjts]
-    return torch.cat(rows) if rows else torch.zeros(0, b, dtype=torch.int64, device=batch.device)
+def _pack(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h: np.ndarray,
+          groups: list[np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+    """The samples ``groups[d]`` for every destination d, as one byte buffer.
 
-
-def _column_units(lengths_mk: torch.Tensor, layout: WireLayout) -> torch.Tensor:
-    """[M, C] packing units of every (sample, column), from [M, K_total] lengths."""
-    dev = lengths_mk.device
-    ext = torch.cat([lengths_mk, lengths_mk.new_ones(lengths_mk.shape[0], 1)], dim=1)
-    row_of = torch.tensor(layout.row_of, dtype=torch.int64, device=dev)
-    mult = torch.tensor(layout.mult, dtype=torch.int64, device=dev)
-    return ext.index_select(1, row_of) * mult
-
-
-def sample_bytes(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
-    """[B] int64 bytes a sample occupies on the wire (its lengths and payload)."""
-    units = _column_units(_lengths_matrix(batch, layout).t(), layout)
-    return units.sum(1) * layout.unit + 8 * layout.num_lengths
-
-
-def _source_units(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
-    """The batch's tensors in section order as one flat tensor of packing units."""
-    kjts, dense = batch.kjt_fields(), batch.dense_fields()
-    pieces = []
-    for s in layout.sections:
-        if s.kind == "dense":
-            t = dense[s.field]
-        elif s.kind == "values":
-            t = kjts[s.field].values()
-        else:
-            t = kjts[s.field].weights()
-        pieces.append(t.contiguous().reshape(-1).view(torch.uint8).view(layout.unit_dtype))
-    if not pieces:
-        return torch.zeros(0, dtype=layout.unit_dtype, device=batch.device)
-    return torch.cat(pieces)
-
-
-def _gather_segments(
-    buf: torch.Tensor, seg_lengths: torch.Tensor, seg_ids: torch.Tensor, total: int
-) -> torch.Tensor:
-    """Concatenate segments ``seg_ids`` of ``buf`` (segment j: ``seg_lengths[j]``
-    elements, segments stored back to back); ``total`` is the result's size."""
-    if seg_ids.numel() == 0 or total == 0:
-        return buf.new_empty(total)
-    if buf.dtype in _FBGEMM_DTYPES and hasattr(torch.ops.fbgemm, "permute_1D_sparse_data"):
-        # permuted_lengths_sum spares the kernel a device-to-host sync on CUDA.
-        _, out, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-            seg_ids.to(torch.int32), seg_lengths, buf, None, total
-        )
-        return out
-    offsets = torch.zeros(seg_lengths.numel() + 1, dtype=torch.int64, device=buf.device)
-    torch.cumsum(seg_lengths, 0, out=offsets[1:])
-    sel = seg_lengths[seg_ids]
-    out_seg = torch.repeat_interleave(torch.arange(seg_ids.numel(), device=buf.device), sel,
-                                      output_size=total)
-    out_start = torch.cumsum(sel, 0) - sel
-    idx = offsets[seg_ids][out_seg] + torch.arange(total, device=buf.device) - out_start[out_seg]
-    return buf[idx]
-
-
-def _group_sums(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Sums of consecutive groups of ``values`` of sizes ``counts``."""
-    ends = np.cumsum(counts)
-    csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return csum[ends] - csum[ends - counts]
-
-
-def _build_output(
-    batch: BaseBatch,
-    layout: WireLayout,
-    lengths_mk: torch.Tensor,
-    colmajor: torch.Tensor,
-    column_totals: np.ndarray,
-) -> BaseBatch:
-    """A batch of B samples: M real ones from column-major units, then padding.
+    Chunk d holds, section by section, the section's data of ``groups[d]`` in
+    the batch's own layout: key by key, sample by sample.
 
     Args:
-        lengths_mk: [M, K_total] int64 lengths of the real samples.
-        colmajor: the real samples' units, column by column.
-        column_totals: [C] units per column (host).
+        lengths: [K_total, B] int64 lengths (device); ``lengths_h`` the same on the host.
+        groups: per destination, local sample indices (ascending).
+
+    Returns:
+        The uint8 buffer and [W] bytes per destination.
     """
-    m, b = lengths_mk.shape[0], layout.batch_size
-    tensors: dict[tuple[str, str], torch.Tensor] = {}
-    off = 0
+    dev, b = batch.device, layout.batch_size
+    order = torch.from_numpy(np.concatenate(groups)).to(dev)
+    chunks: list[tuple[torch.Tensor, list[int]]] = []  # per section: bytes, bytes per destination
     for s in layout.sections:
-        n = int(column_totals[s.first : s.first + s.count].sum())
-        # Sections are ordered by decreasing item size, so `off` is aligned.
-        tensors[(s.field, s.kind)] = colmajor[off : off + n].view(torch.uint8).view(s.dtype)
-        off += n
+        t = opaque(section_tensor(batch, s))
+        if s.kind == "dense":
+            data = t.view(b, s.width).index_select(0, order)
+            per_dest = [g.size * s.width for g in groups]
+        else:
+            rows_h = lengths_h[s.row : s.row + s.count]
+            per_dest = [int(rows_h[:, g].sum()) for g in groups]
+            seg = np.concatenate([(np.arange(s.count)[:, None] * b + g).ravel() for g in groups])
+            data = gather_segments(t, lengths[s.row : s.row + s.count].reshape(-1),
+                                   torch.from_numpy(seg).to(dev), sum(per_dest))
+        chunks.append((data.reshape(-1).view(torch.uint8), [n * s.itemsize for n in per_dest]))
+    pieces, offsets = [], [0] * len(chunks)
+    for d in range(len(groups)):  # destination-major: all_to_all_single sends contiguous chunks
+        for i, (data, sizes) in enumerate(chunks):
+            pieces.append(data[offsets[i] : offsets[i] + sizes[d]])
+            offsets[i] += sizes[d]
+    totals = np.array([sum(sizes[d] for _, sizes in chunks) for d in range(len(groups))], np.int64)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=dev), totals
+
+
+def _chunk_bytes(layout: WireLayout, recv_len_h: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """[W, S, K] bytes of every (source, section, key) in a received buffer."""
+    items = np.array([s.itemsize for s in layout.sections], np.int64)[:, None]
+    return np.stack([section_elements(layout, recv_len_h[starts[src] : starts[src + 1]]) * items
+                     for src in range(starts.size - 1)])
+
+
+def _assemble(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h: np.ndarray,
+              keep: np.ndarray, rank: int, recv: torch.Tensor, recv_len: torch.Tensor,
+              recv_len_h: np.ndarray, recv_counts: np.ndarray) -> BaseBatch:
+    """The output batch: real samples in ascending global order -- each source
+    rank's block in rank order, this rank's kept samples as block ``rank`` --
+    then padding.
+
+    Per section one gather over [this rank's tensor | received chunks]: kept
+    and received bytes are copied twice (concatenation, gather), nothing else
+    is touched.
+
+    Args:
+        lengths, lengths_h: [K_total, B] lengths of this batch (device, host).
+        keep: local indices (ascending) of the real samples that stay.
+        recv: uint8 buffer of :func:`_pack` chunks from every source (rank order).
+        recv_len, recv_len_h: [M_recv, K_total] lengths of the received samples.
+        recv_counts: [W] samples received per source (0 at ``rank``).
+    """
+    dev, b, w = batch.device, layout.batch_size, recv_counts.size
+    starts = np.concatenate([[0], np.cumsum(recv_counts)])
+    m = int(keep.size + recv_counts.sum())
+    nbytes = _chunk_bytes(layout, recv_len_h, starts).sum(2)  # [W, S]
+    offs = (np.cumsum(nbytes.reshape(-1)) - nbytes.reshape(-1)).reshape(nbytes.shape)
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    for j, s in enumerate(layout.sections):
+        mine = opaque(section_tensor(batch, s))
+        pieces = [mine.view(torch.uint8)] + [recv[offs[src, j] : offs[src, j] + nbytes[src, j]]
+                                             for src in range(w) if recv_counts[src]]
+        combined = torch.cat(pieces).view(mine.dtype)  # a fresh buffer: aligned for any dtype
+        if s.kind == "dense":
+            idx = np.concatenate([keep if src == rank else b + np.arange(starts[src], starts[src + 1])
+                                  for src in range(w)])
+            out = torch.zeros(b, s.width, dtype=mine.dtype, device=dev)
+            torch.index_select(combined.view(-1, s.width), 0, torch.from_numpy(idx).to(dev), out=out[:m])
+            tensors[(s.field, s.kind)] = out.view(s.dtype)
+            continue
+        seg_len, seg, base = [lengths[s.row : s.row + s.count].reshape(-1)], [], s.count * b
+        for src in range(w):
+            n = int(recv_counts[src])
+            seg_len.append(recv_len[starts[src] : starts[src + 1], s.row : s.row + s.count].t().reshape(-1))
+            seg.append(np.arange(s.count)[:, None] * (b if src == rank else n)
+                       + (keep if src == rank else base + np.arange(n)))
+            base += s.count * n
+        order = np.concatenate(seg, axis=1).reshape(-1)  # key by key; sources in rank order
+        total = int(lengths_h[s.row : s.row + s.count][:, keep].sum()) + int(nbytes[:, j].sum()) // s.itemsize
+        tensors[(s.field, s.kind)] = gather_segments(
+            combined, torch.cat(seg_len), torch.from_numpy(order).to(dev), total).view(s.dtype)
+    keep_dev = torch.from_numpy(keep).to(dev)
+    out_len = torch.cat([lengths.t().index_select(0, keep_dev) if src == rank
+                         else recv_len[starts[src] : starts[src + 1]] for src in range(w)])
+    return _build(batch, layout, out_len, tensors)
+
+
+def _build(batch: BaseBatch, layout: WireLayout, lengths_mk: torch.Tensor,
+           tensors: dict[tuple[str, str], torch.Tensor]) -> BaseBatch:
+    """``batch`` with new tensors: M real samples (lengths [M, K_total]), then padding."""
+    m, b = lengths_mk.shape[0], layout.batch_size
     fields: dict[str, torch.Tensor | KeyedJaggedTensor] = {}
     for k in layout.kjts:
-        lengths = lengths_mk.new_zeros(len(k.keys), b)
-        lengths[:, :m] = lengths_mk[:, k.row : k.row + len(k.keys)].t()
+        kl = lengths_mk.new_zeros(len(k.keys), b)
+        kl[:, :m] = lengths_mk[:, k.row : k.row + len(k.keys)].t()
         fields[k.name] = KeyedJaggedTensor(
-            keys=list(k.keys),
-            values=tensors[(k.name, "values")],
-            weights=tensors.get((k.name, "weights")),
-            lengths=lengths.view(-1).to(k.lengths_dtype),
-        )
+            keys=list(k.keys), values=tensors[(k.name, "values")],
+            weights=tensors.get((k.name, "weights")), lengths=kl.view(-1).to(k.lengths_dtype))
     for d in layout.dense:
-        rows = torch.zeros((b, *d.shape), dtype=d.dtype, device=lengths_mk.device)
-        rows[:m] = tensors[(d.name, "dense")].view(m, *d.shape)
-        fields[d.name] = rows
+        fields[d.name] = tensors[(d.name, "dense")].view(b, *d.shape)
     return dataclasses.replace(batch, **fields, actual_batch_size=m)  # type: ignore[arg-type]
 
 
-def _pack(batch: BaseBatch, layout: WireLayout, units: torch.Tensor, order: torch.Tensor,
-          total: int) -> torch.Tensor:
-    """Samples ``order`` of ``batch``, sample by sample, as packing units.
-
-    Args:
-        units: [B, C] units per (sample, column) of ``batch``.
-        order: [M] local sample indices.
-        total: ``units[order].sum()`` (host).
-    """
-    c, b = layout.num_columns, layout.batch_size
-    seg = (order.unsqueeze(1) + torch.arange(c, device=order.device) * b).reshape(-1)
-    return _gather_segments(_source_units(batch, layout), units.t().reshape(-1), seg, total)
-
-
-def _unpack(batch: BaseBatch, layout: WireLayout, lengths_mk: torch.Tensor, units: torch.Tensor,
-            packed: torch.Tensor, column_totals: np.ndarray) -> BaseBatch:
-    """Inverse of :func:`_pack`: a batch of the M packed samples, then padding.
-
-    Args:
-        lengths_mk: [M, K_total] lengths of the packed samples.
-        units: [M, C] their units per column.
-        packed: their units, sample by sample.
-        column_totals: [C] ``units.sum(0)`` (host).
-    """
-    c, m = layout.num_columns, lengths_mk.shape[0]
-    dev = packed.device
-    seg = (torch.arange(c, device=dev).unsqueeze(1) + torch.arange(m, device=dev) * c).reshape(-1)
-    colmajor = _gather_segments(packed, units.reshape(-1), seg, int(column_totals.sum()))
-    return _build_output(batch, layout, lengths_mk, colmajor, column_totals)
+def _all_padding(batch: BaseBatch, layout: WireLayout) -> BaseBatch:
+    """A batch of B padding samples with ``batch``'s schema."""
+    dev, b = batch.device, layout.batch_size
+    tensors: dict[tuple[str, str], torch.Tensor] = {
+        (s.field, s.kind): torch.zeros(b * s.width if s.kind == "dense" else 0, dtype=s.dtype, device=dev)
+        for s in layout.sections}
+    return _build(batch, layout, torch.zeros(0, layout.num_lengths, dtype=torch.int64, device=dev), tensors)
 
 
 # ----------------------------------------------------------- redistribution
 def redistribute_all2all(
     batch: BaseBatch, layout: WireLayout, plan: RankPlan, pg: dist.ProcessGroup
 ) -> tuple[BaseBatch, Traffic]:
-    """Move samples with two ``all_to_all_single`` calls: lengths, then payload.
+    """Move the samples that change rank with two ``all_to_all_single`` calls.
 
     Example (W=2, B=2, one KJT key ``a``, values only; rank 0 keeps its sample
-    0 and gives sample 1 to rank 1, rank 1 gives sample 0 to rank 0)::
+    0 and gives sample 1 to rank 1, rank 1 gives its sample 0 to rank 0)::
 
         rank0 in:  a lengths [2, 1]  values [x, y, z]    rank1 in:  a lengths [1, 0]  values [u]
-        1) lengths a2a  rank0 sends [[2]] to itself, [[1]] to rank1;
-                        rank1 sends [[1]] to rank0          -> rank0 gets [[2], [1]], rank1 [[1]]
-        2) payload a2a  rank0 sends [x, y] to itself, [z] to rank1; rank1 sends [u] to rank0
+        1) lengths a2a  rank0 sends [[1]] to rank1;  rank1 sends [[1]] to rank0
+        2) payload a2a  rank0 sends [z] to rank1;    rank1 sends [u] to rank0
         rank0 out: a lengths [2, 1]  values [x, y, u]    rank1 out: a lengths [1, 0]  values [z]
 
     Receive sizes of 1) come from the plan, of 2) from the lengths received in
-    1); padding is never sent and is recreated locally at the end.
+    1). Samples that stay, and padding, are never sent; padding is recreated
+    locally at the end.
 
     Returns:
         The output batch (real samples in ``plan.sources`` order, then padding)
         and this rank's network traffic.
     """
-    dev, k, u = batch.device, layout.num_lengths, layout.unit
-    order = torch.from_numpy(plan.send_order).to(dev)
-    lengths = _lengths_matrix(batch, layout)
-    units = _column_units(lengths.t(), layout)  # [B, C]
-    # Host copies: collective split sizes are host integers (a sync on CUDA).
-    send_units = _group_sums(units.sum(1).cpu().numpy()[plan.send_order], plan.send_counts)
-    recv_len = all_to_all_uneven(
-        lengths.t().index_select(0, order).reshape(-1),
-        (plan.send_counts * k).tolist(), (plan.recv_counts * k).tolist(), pg,
-    ).view(plan.num_out, k)
-    recv_units = _column_units(recv_len, layout)  # [M, C]
-    recv_host = recv_units.cpu().numpy()
-    recv_split = _group_sums(recv_host.sum(1), plan.recv_counts)
-
-    packed = _pack(batch, layout, units, order, int(send_units.sum()))
-    recv = torch.empty(int(recv_split.sum()), dtype=layout.unit_dtype, device=dev)
-    all_to_all_uneven(packed.view(torch.uint8), (send_units * u).tolist(),
-                      (recv_split * u).tolist(), pg, out=recv.view(torch.uint8))
-
-    out = _unpack(batch, layout, recv_len, recv_units, recv, recv_host.sum(0))
-
-    r = plan.rank
-    sent = (plan.send_counts * k * 8 + send_units * u).sum() - (plan.send_counts[r] * k * 8 + send_units[r] * u)
-    got = (plan.recv_counts * k * 8 + recv_split * u).sum() - (plan.recv_counts[r] * k * 8 + recv_split[r] * u)
+    dev, k, r, w = batch.device, layout.num_lengths, plan.rank, plan.send_counts.size
+    ends = np.cumsum(plan.send_counts)
+    groups = [plan.send_order[ends[d] - plan.send_counts[d] : ends[d]] for d in range(w)]
+    keep, groups[r] = groups[r], groups[r][:0]
+    send_counts, recv_counts = plan.send_counts.copy(), plan.recv_counts.copy()
+    send_counts[r] = recv_counts[r] = 0
+    lengths = lengths_matrix(batch, layout)
+    # Host copies: split sizes and gather sizes are host integers (a sync on CUDA).
+    lengths_h = lengths.cpu().numpy()
+    out_order = torch.from_numpy(np.concatenate(groups)).to(dev)
+    recv_len = all_to_all_uneven(lengths.t().index_select(0, out_order).reshape(-1),
+                                 (send_counts * k).tolist(), (recv_counts * k).tolist(), pg).view(-1, k)
+    recv_len_h = recv_len.cpu().numpy()
+    packed, send_bytes = _pack(batch, layout, lengths, lengths_h, groups)
+    starts = np.concatenate([[0], np.cumsum(recv_counts)])
+    recv_bytes = _chunk_bytes(layout, recv_len_h, starts).sum((1, 2))
+    recv = all_to_all_uneven(packed, send_bytes.tolist(), recv_bytes.tolist(), pg)
+    out = _assemble(batch, layout, lengths, lengths_h, keep, r, recv, recv_len, recv_len_h, recv_counts)
     traffic = Traffic(
-        samples_sent=int(plan.send_counts.sum() - plan.send_counts[r]),
-        samples_received=int(plan.recv_counts.sum() - plan.recv_counts[r]),
-        bytes_sent=int(sent),
-        bytes_received=int(got),
+        samples_sent=int(send_counts.sum()), samples_received=int(recv_counts.sum()),
+        bytes_sent=int(send_counts.sum() * k * 8 + send_bytes.sum()),
+        bytes_received=int(recv_counts.sum() * k * 8 + recv_bytes.sum()),
     )
     return out, traffic
-
-
-def _all_padding(batch: BaseBatch, layout: WireLayout) -> BaseBatch:
-    """A batch of B padding samples with ``batch``'s schema."""
-    m = torch.zeros(0, layout.num_lengths, dtype=torch.int64, device=batch.device)
-    return _build_output(batch, layout, m, torch.zeros(0, dtype=layout.unit_dtype, device=batch.device),
-                         np.zeros(layout.num_columns, np.int64))
 
 
 def redistribute_allgather(
@@ -338,6 +306,8 @@ def redistribute_allgather(
 
     Every rank sends its whole batch to every rank: simpler and fewer,
     larger messages than :func:`redistribute_all2all`, but W times the traffic.
+    An independent implementation (global batch + ``index_select``); both
+    return bit-identical batches.
 
     Args:
         real: [W] real samples per rank.
@@ -346,32 +316,30 @@ def redistribute_allgather(
         The same batch :func:`redistribute_all2all` returns, and this rank's
         traffic.
     """
-    dev, k, c, b, u = batch.device, layout.num_lengths, layout.num_columns, layout.batch_size, layout.unit
+    dev, k, b = batch.device, layout.num_lengths, layout.batch_size
     w, r = real.size, plan.rank
-    glen = all_gather_fixed(_lengths_matrix(batch, layout).t().reshape(-1), pg).view(w * b, k)
-    col_tot = _column_units(glen, layout).view(w, b, c).sum(1).cpu().numpy()  # [W, C]
-    width = int(col_tot.sum(1).max(initial=0))
-    src = _source_units(batch, layout)
-    buf = torch.zeros(width, dtype=layout.unit_dtype, device=dev)
-    buf[: src.numel()] = src
-    rows = all_gather_fixed(buf.view(torch.uint8), pg).view(layout.unit_dtype).view(w, width)
-    starts = np.cumsum(col_tot, axis=1) - col_tot
-
-    def section(first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-        # Key-major over global samples: for each column, rank 0's run, rank 1's, ...
-        pieces = [rows[s, int(starts[s, j]) : int(starts[s, j] + col_tot[s, j])]
-                  for j in range(first, first + count) for s in range(w)]
-        return torch.cat(pieces).view(torch.uint8).view(dtype)
-
-    tensors = {(s.field, s.kind): section(s.first, s.count, s.dtype) for s in layout.sections}
+    glen = all_gather_fixed(lengths_matrix(batch, layout).t().reshape(-1), pg).view(w * b, k)
+    per_key = _chunk_bytes(layout, glen.cpu().numpy(), np.arange(w + 1) * b)  # [W, S, K] bytes
+    width = int(per_key.sum((1, 2)).max(initial=0))
+    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
+    mine = [opaque(section_tensor(batch, s)).view(torch.uint8) for s in layout.sections]
+    if mine:
+        src = torch.cat(mine)
+        buf[: src.numel()] = src
+    rows = all_gather_fixed(buf, pg)  # [W, width]
+    starts = (np.cumsum(per_key.reshape(w, -1), axis=1) - per_key.reshape(w, -1)).reshape(per_key.shape)
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    for j, s in enumerate(layout.sections):
+        # Key-major over global samples: for each key, rank 0's run, rank 1's, ...
+        pieces = [rows[src, starts[src, j, key] : starts[src, j, key] + per_key[src, j, key]]
+                  for key in range(s.count) for src in range(w)]
+        tensors[(s.field, s.kind)] = torch.cat(pieces).view(s.dtype)
     fields: dict[str, torch.Tensor | KeyedJaggedTensor] = {}
     for kj in layout.kjts:
         fields[kj.name] = KeyedJaggedTensor(
-            keys=list(kj.keys),
-            values=tensors[(kj.name, "values")],
+            keys=list(kj.keys), values=tensors[(kj.name, "values")],
             weights=tensors.get((kj.name, "weights")),
-            lengths=glen[:, kj.row : kj.row + len(kj.keys)].t().reshape(-1).to(kj.lengths_dtype),
-        )
+            lengths=glen[:, kj.row : kj.row + len(kj.keys)].t().reshape(-1).to(kj.lengths_dtype))
     for d in layout.dense:
         fields[d.name] = tensors[(d.name, "dense")].view(w * b, *d.shape)
     everything = dataclasses.replace(batch, **fields, batch_size=w * b,  # type: ignore[arg-type]
@@ -382,11 +350,7 @@ def redistribute_allgather(
     else:
         picked = everything.index_select(torch.from_numpy(plan.sources).to(dev), actual_batch_size=m)
         out = pad_batch(picked, b)
-    nbytes = (w - 1) * (b * k * 8 + width * u)
-    traffic = Traffic(
-        samples_sent=int((w - 1) * real[r]),
-        samples_received=int(real.sum() - real[r]),
-        bytes_sent=int(nbytes),
-        bytes_received=int(nbytes),
-    )
+    nbytes = (w - 1) * (b * k * 8 + width)
+    traffic = Traffic(samples_sent=int((w - 1) * real[r]), samples_received=int(real.sum() - real[r]),
+                      bytes_sent=int(nbytes), bytes_received=int(nbytes))
     return out, traffic

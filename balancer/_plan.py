@@ -5,8 +5,9 @@ a test can run it for every rank in one process, and every rank that sees the
 same gathered metadata takes the same decision -- the property that keeps the
 collectives of :mod:`balancer._comm` matched across ranks.
 
-* :class:`WireLayout` -- how a batch's tensors are cut into per-sample byte
-  segments, and a fingerprint of the schema that every rank must share.
+* :class:`WireLayout` -- how a batch's tensors travel (per-sample lengths and
+  segments), a fingerprint of the schema that every rank must share, and the
+  size and jagged-gather helpers derived from it.
 * :func:`plan_rank` -- from a partition, what this rank sends where, how much it
   receives from whom, and in which order the output lists its samples.
 * :func:`partition_task` -- partition, locality refinement and plan: the work of
@@ -31,8 +32,9 @@ from balancer.batch import BaseBatch
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Outcome", "PartitionFn", "RankPlan", "WireLayout", "destinations", "partition_task",
-    "plan_rank", "simple_lower_bound", "validate_partition", "wire_layout",
+    "Outcome", "PartitionFn", "RankPlan", "Section", "WireLayout", "destinations", "gather_segments",
+    "lengths_matrix", "opaque", "partition_task", "plan_rank", "sample_bytes", "section_elements",
+    "section_tensor", "simple_lower_bound", "validate_partition", "wire_layout",
 ]
 
 PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
@@ -40,7 +42,8 @@ PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
 indices; must be deterministic: every rank runs it on identical input."""
 
 # ------------------------------------------------------------------ layout
-_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
+_OPAQUE = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
+"""Per item size, the dtype whose bits the jagged gather copies (see :func:`opaque`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,67 +61,51 @@ class KJTSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DenseSpec:
-    """One dense field ``[B, *shape]``; a sample is one row of ``row_bytes``."""
+    """One dense field ``[B, *shape]``."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    row_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """A contiguous run of columns holding one tensor: a KJT field's values or
-    weights (one column per key) or a dense field (one column)."""
+    """One tensor of the batch on the wire: a KJT field's values or weights
+    (``count`` keys, lengths rows ``[row, row + count)``; ``width == 0``) or a
+    dense field (``width`` elements per sample; ``count == 1``, ``row == -1``)."""
 
     field: str
     kind: Literal["values", "weights", "dense"]
     dtype: torch.dtype
-    first: int
+    itemsize: int
     count: int
+    row: int
+    width: int
 
 
 @dataclasses.dataclass(frozen=True)
 class WireLayout:
-    """How a batch travels: columns of per-sample byte segments.
+    """How a batch travels, and the schema fingerprint every rank must share.
 
-    Column ``c`` of sample ``i`` holds ``units[i, c]`` packing units of
-    ``unit`` bytes: for a KJT column, ``lengths[row_of[c], i] * mult[c]``; for a
-    dense column, the fixed ``mult[c]`` (``row_of[c] == num_lengths``).
-    Sections are ordered by decreasing item size, so every section of a packed
-    buffer starts at an offset aligned for its dtype.
+    A sample is its ``num_lengths`` int64 lengths (every key of every KJT field)
+    plus, per section, its elements: ``lengths[k, i]`` per key for KJT
+    sections, ``width`` for dense ones.
 
     Attributes:
         batch_size: samples per batch, B.
         kjts: KJT fields in declaration order.
         dense: dense fields in declaration order.
-        sections: column groups in packing order.
-        row_of: per column, its row in the lengths matrix (``num_lengths`` for
-            dense columns).
-        mult: per column, units per element (KJT) or per row (dense).
-        unit: bytes per packing unit (the smallest item size, a power of two).
+        sections: every tensor, KJT fields first (values, then weights).
         num_lengths: K_total, rows of the fused lengths matrix.
-        fingerprint: int64 hash of the schema; equal on every rank.
+        fingerprint: int64 hash of the schema.
     """
 
     batch_size: int
     kjts: tuple[KJTSpec, ...]
     dense: tuple[DenseSpec, ...]
     sections: tuple[Section, ...]
-    row_of: tuple[int, ...]
-    mult: tuple[int, ...]
-    unit: int
     num_lengths: int
     fingerprint: int
-
-    @property
-    def unit_dtype(self) -> torch.dtype:
-        """A dtype of ``unit`` bytes (raw bits are copied, never computed on)."""
-        return _UNIT_DTYPES[self.unit]
-
-    @property
-    def num_columns(self) -> int:
-        return len(self.row_of)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -133,51 +120,95 @@ def wire_layout(batch: BaseBatch) -> WireLayout:
     per-sample shape: two ranks whose batches could not be merged sample by
     sample have different fingerprints.
     """
-    b = batch.batch_size
     kjts: list[KJTSpec] = []
+    sections: list[Section] = []
     row = 0
     for name, kjt in batch.kjt_fields().items():
         w = kjt.weights_or_none()
-        keys = tuple(kjt.keys())
-        kjts.append(
-            KJTSpec(name, keys, row, kjt.lengths().dtype, kjt.values().dtype,
-                    None if w is None else w.dtype)
-        )
-        row += len(keys)
-    dense = [
-        DenseSpec(n, t.dtype, tuple(t.shape[1:]), int(np.prod(t.shape[1:], dtype=np.int64)) * _itemsize(t.dtype))
-        for n, t in batch.dense_fields().items()
-    ]
-    # (item size, field, kind, dtype, rows or None for dense, dense row bytes)
-    raw: list[tuple[int, str, Literal["values", "weights", "dense"], torch.dtype, range | None, int]] = []
-    for s in kjts:
-        key_rows = range(s.row, s.row + len(s.keys))
-        raw.append((_itemsize(s.values_dtype), s.name, "values", s.values_dtype, key_rows, 0))
-        if s.weights_dtype is not None:
-            raw.append((_itemsize(s.weights_dtype), s.name, "weights", s.weights_dtype, key_rows, 0))
+        spec = KJTSpec(name, tuple(kjt.keys()), row, kjt.lengths().dtype, kjt.values().dtype,
+                       None if w is None else w.dtype)
+        kjts.append(spec)
+        for kind, dtype in (("values", spec.values_dtype), ("weights", spec.weights_dtype)):
+            if dtype is not None:
+                sections.append(Section(name, kind, dtype, _itemsize(dtype), len(spec.keys), row, 0))  # type: ignore[arg-type]
+        row += len(spec.keys)
+    dense = [DenseSpec(n, t.dtype, tuple(t.shape[1:])) for n, t in batch.dense_fields().items()]
     for d in dense:
-        raw.append((_itemsize(d.dtype), d.name, "dense", d.dtype, None, d.row_bytes))
-    raw.sort(key=lambda r: -r[0])  # stable: declaration order within one item size
-    unit = min((r[0] for r in raw), default=8)
-    sections: list[Section] = []
-    row_of: list[int] = []
-    mult: list[int] = []
-    for size, name, kind, dtype, rows, row_bytes in raw:
-        first = len(row_of)
-        if rows is None:
-            row_of.append(row)
-            mult.append(row_bytes // unit)
-        else:
-            row_of.extend(rows)
-            mult.extend([size // unit] * len(rows))
-        sections.append(Section(name, kind, dtype, first, len(row_of) - first))
-    schema = repr((type(batch).__module__, type(batch).__qualname__, b,
+        width = int(np.prod(d.shape, dtype=np.int64))
+        sections.append(Section(d.name, "dense", d.dtype, _itemsize(d.dtype), 1, -1, width))
+    schema = repr((type(batch).__module__, type(batch).__qualname__, batch.batch_size,
                    [(s.name, s.keys, str(s.lengths_dtype), str(s.values_dtype), str(s.weights_dtype))
                     for s in kjts],
                    [(d.name, str(d.dtype), d.shape) for d in dense]))
     fp = int.from_bytes(hashlib.blake2b(schema.encode(), digest_size=8).digest(), "little", signed=True)
-    return WireLayout(b, tuple(kjts), tuple(dense), tuple(sections), tuple(row_of), tuple(mult),
-                      unit, row, fp)
+    return WireLayout(batch.batch_size, tuple(kjts), tuple(dense), tuple(sections), row, fp)
+
+
+def lengths_matrix(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
+    """[K_total, B] int64 lengths of every KJT field, stacked."""
+    kjts, b = batch.kjt_fields(), layout.batch_size
+    rows = [kjts[s.name].lengths().view(len(s.keys), b).to(torch.int64) for s in layout.kjts]
+    return torch.cat(rows) if rows else torch.zeros(0, b, dtype=torch.int64, device=batch.device)
+
+
+def sample_bytes(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
+    """[B] int64 bytes each sample occupies on the wire (lengths and payload)."""
+    lengths = lengths_matrix(batch, layout)
+    out = torch.full((layout.batch_size,), 8 * layout.num_lengths, dtype=torch.int64, device=batch.device)
+    for s in layout.sections:
+        out += s.width * s.itemsize if s.kind == "dense" else lengths[s.row : s.row + s.count].sum(0) * s.itemsize
+    return out
+
+
+def section_elements(layout: WireLayout, lengths_mk: np.ndarray) -> np.ndarray:
+    """[S, K] elements each section holds for samples with lengths [M, K_total]
+    (host), per key (dense sections: column 0); K = the most keys of a section."""
+    out = np.zeros((len(layout.sections), max((s.count for s in layout.sections), default=0)), np.int64)
+    for j, s in enumerate(layout.sections):
+        if s.kind == "dense":
+            out[j, 0] = lengths_mk.shape[0] * s.width
+        else:
+            out[j, : s.count] = lengths_mk[:, s.row : s.row + s.count].sum(0)
+    return out
+
+
+def section_tensor(batch: BaseBatch, s: Section) -> torch.Tensor:
+    """The tensor behind section ``s`` of ``batch``."""
+    if s.kind == "dense":
+        return batch.dense_fields()[s.field]
+    kjt = batch.kjt_fields()[s.field]
+    return kjt.values() if s.kind == "values" else kjt.weights()
+
+
+def opaque(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened and viewed as the same-size dtype that the jagged gather
+    copies (int64, int32, float16, uint8): bits are moved, never computed on."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(_OPAQUE[flat.element_size()])
+
+
+def gather_segments(buf: torch.Tensor, seg_lengths: torch.Tensor, seg_ids: torch.Tensor,
+                    total: int) -> torch.Tensor:
+    """Concatenate segments ``seg_ids`` of ``buf`` (segment j: ``seg_lengths[j]``
+    elements, segments stored back to back); ``total`` is the result's size."""
+    if seg_ids.numel() == 0 or total == 0:
+        return buf.new_empty(total)
+    if buf.dtype != torch.uint8 and hasattr(torch.ops.fbgemm, "permute_1D_sparse_data"):
+        try:
+            # permuted_lengths_sum spares the kernel a device-to-host sync on CUDA.
+            _, out, _ = torch.ops.fbgemm.permute_1D_sparse_data(
+                seg_ids.to(torch.int32), seg_lengths, buf, None, total)
+            return out
+        except (NotImplementedError, RuntimeError):  # a build without this dtype/device
+            logger.debug("fbgemm permute_1D_sparse_data failed for %s; using torch", buf.dtype)
+    offsets = torch.zeros(seg_lengths.numel() + 1, dtype=torch.int64, device=buf.device)
+    torch.cumsum(seg_lengths, 0, out=offsets[1:])
+    sel = seg_lengths[seg_ids]
+    out_seg = torch.repeat_interleave(torch.arange(seg_ids.numel(), device=buf.device), sel,
+                                      output_size=total)
+    out_start = torch.cumsum(sel, 0) - sel
+    idx = offsets[seg_ids][out_seg] + torch.arange(total, device=buf.device) - out_start[out_seg]
+    return buf[idx]
 
 
 # ---------------------------------------------------------- redistribution

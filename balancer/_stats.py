@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from balancer._comm import Traffic, sample_bytes
-from balancer._plan import wire_layout
+from balancer._comm import Traffic
+from balancer._plan import sample_bytes, wire_layout
 from balancer.batch import BaseBatch
 
 __all__ = [
@@ -132,7 +132,6 @@ def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
                    offenders=tuple(off))
 
 
-
 @dataclasses.dataclass
 class LocalInput:
     """This rank's phase-1 input, validated without raising."""
@@ -156,7 +155,7 @@ class LocalInput:
         if self.flags is not None:
             msg[H_STATUS : H_STATUS + 1].bitwise_or_(self.flags[:1])
             msg[H_DETAIL : H_DETAIL + 1].copy_(self.flags[1:])
-        usable = agreed == Agreement(header[2], header[3]) and not self.error
+        usable = agreed == Agreement(header[H_BATCH], header[H_FP]) and not self.error
         if usable and self.workloads is not None and self.sizes is not None:
             msg[HEADER_LEN : HEADER_LEN + size] = self.workloads
             msg[HEADER_LEN + size :] = self.sizes
@@ -238,6 +237,8 @@ class ShuffleStats:
             the background thread.
         phase1_s: wall seconds of phase 1 (workloads, all-gather, submit).
         phase2_s: wall seconds of phase 2 (wait for partition, redistribute).
+        wait_s: part of ``phase2_s`` spent waiting for the partition; near 0
+            when enough work overlaps the background partition.
         samples_sent: real samples this rank sent to other ranks.
         samples_received: real samples this rank received from other ranks.
         bytes_sent: bytes this rank sent to other ranks.
@@ -260,6 +261,7 @@ class ShuffleStats:
     partition_s: float
     phase1_s: float
     phase2_s: float
+    wait_s: float
     samples_sent: int
     samples_received: int
     bytes_sent: int
@@ -289,6 +291,7 @@ def build_stats(
     partition_s: float,
     phase1_s: float,
     phase2_s: float,
+    wait_s: float,
     traffic: Traffic,
 ) -> ShuffleStats:
     """Assemble :class:`ShuffleStats`.
@@ -323,6 +326,7 @@ def build_stats(
         partition_s=partition_s,
         phase1_s=phase1_s,
         phase2_s=phase2_s,
+        wait_s=wait_s,
         samples_sent=traffic.samples_sent,
         samples_received=traffic.samples_received,
         bytes_sent=traffic.bytes_sent,
@@ -340,5 +344,5 @@ def format_stats(s: ShuffleStats) -> str:
         f"{s.lower_bound:.4g}); moved {100 * s.moved_fraction:.1f}% of samples; rank {s.rank} "
         f"sent {s.samples_sent} samples / {s.bytes_sent} B, received {s.samples_received} / "
         f"{s.bytes_received} B; phase1 {1e3 * s.phase1_s:.2f} ms, partition "
-        f"{1e3 * s.partition_s:.2f} ms, phase2 {1e3 * s.phase2_s:.2f} ms"
+        f"{1e3 * s.partition_s:.2f} ms, phase2 {1e3 * s.phase2_s:.2f} ms (waited {1e3 * s.wait_s:.2f} ms)"
     )

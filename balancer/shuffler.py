@@ -213,7 +213,7 @@ class _ShufflerBase:
         ))
 
     def _record(self, handle: ShuffleHandle, outcome: Outcome | None, traffic: Traffic,
-                phase2_s: float) -> None:
+                phase2_s: float, wait_s: float = 0.0) -> None:
         n = handle._workloads.size
         stats = _stats.build_stats(
             seq=handle.seq, rank=handle.rank, comm=self._comm_name if outcome else "identity",
@@ -221,7 +221,7 @@ class _ShufflerBase:
             dest=outcome.dest if outcome else np.zeros(n, np.int64),
             lower_bound=outcome.lower_bound if outcome else simple_lower_bound(handle._workloads, 1),
             partition_s=outcome.seconds if outcome else 0.0,
-            phase1_s=handle.phase1_s, phase2_s=phase2_s, traffic=traffic,
+            phase1_s=handle.phase1_s, phase2_s=phase2_s, wait_s=wait_s, traffic=traffic,
         )
         handle._state.stats = stats
         if self._log_interval and handle.rank == 0 and (handle.seq + 1) % self._log_interval == 0:
@@ -341,15 +341,17 @@ class BatchShuffler(_ShufflerBase):
             if layout.fingerprint != handle._fingerprint or batch.actual_batch_size != handle._real[rank]:
                 raise ValueError(f"finish_shuffle: batch (actual_batch_size={batch.actual_batch_size}) "
                                  f"is not the batch handle #{handle.seq} was started with")
+            t_wait = perf_counter()
             try:
                 outcome = handle._future.result()
             except CancelledError:
                 raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
+            t_wait = perf_counter() - t_wait
             if self.config.comm == "all2all":
                 out, traffic = _comm.redistribute_all2all(batch, layout, outcome.plan, group)
             else:
                 out, traffic = _comm.redistribute_allgather(batch, layout, outcome.plan, handle._real, group)
-        self._record(handle, outcome, traffic, perf_counter() - t0)
+        self._record(handle, outcome, traffic, perf_counter() - t0, t_wait)
         return out
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ from balancer._plan import (
     destinations,
     partition_task,
     plan_rank,
+    sample_bytes,
+    section_elements,
     simple_lower_bound,
     validate_partition,
     wire_layout,
@@ -132,12 +134,15 @@ def _batch(keys: list[str], vdtype: torch.dtype = torch.int64, dense_shape: tupl
 
 
 def test_wire_layout_and_fingerprint() -> None:
-    lay = wire_layout(_batch(["a", "b"]))
-    # sections by decreasing item size: values int64 / dense f64, labels f32, weights f16
-    assert [(s.field, s.kind) for s in lay.sections] == [
-        ("features", "values"), ("dense", "dense"), ("labels", "dense"), ("features", "weights")]
-    assert lay.unit == 2 and lay.num_lengths == 2 and lay.num_columns == 6
-    assert lay.mult == (4, 4, 12, 2, 1, 1)
+    batch = _batch(["a", "b"])
+    lay = wire_layout(batch)
+    assert [(s.field, s.kind, s.itemsize, s.count, s.row, s.width) for s in lay.sections] == [
+        ("features", "values", 8, 2, 0, 0), ("features", "weights", 2, 2, 0, 0),
+        ("labels", "dense", 4, 1, -1, 1), ("dense", "dense", 8, 1, -1, 3)]
+    assert lay.num_lengths == 2
+    # per sample: 2 int64 lengths, 2 int64 values, 2 fp16 weights, a f32 label, 3 f64 dense
+    assert sample_bytes(batch, lay).tolist() == [16 + 16 + 4 + 4 + 24] * 4
+    assert section_elements(lay, np.array([[1, 2], [0, 3]])).tolist() == [[1, 5], [1, 5], [2, 0], [6, 0]]
     same = wire_layout(_batch(["a", "b"]))
     assert same.fingerprint == lay.fingerprint
     for other in (_batch(["b", "a"]), _batch(["a", "b"], torch.int32), _batch(["a", "b"], dense_shape=(4,)),

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer import _comm
-from balancer._plan import simple_lower_bound, wire_layout
-from balancer.batch import BaseBatch, pad_batch
+from balancer._plan import gather_segments, lengths_matrix, simple_lower_bound, wire_layout
+from balancer.batch import BaseBatch
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from tests.dist_harness import WorkerError, run_workers, run_workers_outcomes
 
@@ -179,7 +179,8 @@ def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
             if name == "blind":
                 assert_identical(out, ag.shuffle(batch))  # both paths, bit for bit
             res[name] = dict(rows=rows(out), real=int(out.actual_batch_size or 0),
-                             stats=dataclasses.asdict(handle.stats))
+                             stats=dataclasses.asdict(handle.stats),
+                             dest=handle._future.result().dest.tolist())  # type: ignore[union-attr]
         results.append(res)
     return results
 
@@ -223,7 +224,7 @@ def test_conservation_reference_and_paths(world_size: int) -> None:
                 assert len(o["rows"]) == b
                 _check_padding(o["rows"][o["real"] :])
             stats = [o["stats"] for o in outs]
-            assert all(s["load_after"] == stats[0]["load_after"] for s in stats)  # one partition
+            assert all(o["dest"] == outs[0]["dest"] for o in outs)  # one partition everywhere
             assert stats[0]["max_after"] <= stats[0]["max_before"]
             assert stats[0]["max_after"] >= stats[0]["lower_bound"] - 1e-9
             assert sum(s["samples_sent"] for s in stats) == sum(s["samples_received"] for s in stats)
@@ -481,35 +482,49 @@ def test_gather_segments_is_bit_exact(unit: torch.dtype) -> None:
     lengths[-1] = buf.numel() - int(lengths[:-1].sum())
     ids = torch.randperm(63, generator=g)[:40]
     total = int(lengths[ids].sum())
-    got = _comm._gather_segments(buf, lengths, ids, total)
+    got = gather_segments(buf, lengths, ids, total)
     offsets = [0, *torch.cumsum(lengths, 0).tolist()]
     want = torch.cat([buf[offsets[i] : offsets[i + 1]] for i in ids.tolist()])
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def _roundtrip(batch: BaseBatch, order: list[int]) -> None:
-    layout = wire_layout(batch)
-    lengths = _comm._lengths_matrix(batch, layout)
-    units = _comm._column_units(lengths.t(), layout)
-    idx = torch.tensor(order, dtype=torch.int64, device=batch.device)
-    packed = _comm._pack(batch, layout, units, idx, int(units[idx].sum()))
-    out = _comm._unpack(batch, layout, lengths.t()[idx], units[idx], packed,
-                        units[idx].sum(0).cpu().numpy())
-    if order:
-        want = pad_batch(batch.index_select(idx, actual_batch_size=len(order)), batch.batch_size)
-    else:
-        want = _comm._all_padding(batch, layout)
-    assert_identical(out.to(torch.device("cpu")), want.to(torch.device("cpu")))
+def _exchange(mine: TaggedBatch, other: TaggedBatch, keep: list[int], take: list[int], rank: int) -> None:
+    """Rank ``rank`` of 2 keeps ``keep`` of ``mine`` and receives ``take`` of
+    ``other`` (packed by the other rank), without a process group."""
+    layout, src = wire_layout(mine), 1 - rank
+    lo = lengths_matrix(other, layout)
+    groups = [np.zeros(0, np.int64), np.zeros(0, np.int64)]
+    groups[rank] = np.array(take, dtype=np.int64)
+    packed, nbytes = _comm._pack(other, layout, lo, lo.cpu().numpy(), groups)
+    assert nbytes[src] == 0 and nbytes[rank] == packed.numel()
+    recv_len = lo.t()[torch.tensor(take, dtype=torch.int64, device=lo.device)].reshape(-1, lo.shape[0])
+    recv_counts = np.zeros(2, np.int64)
+    recv_counts[src] = len(take)
+    lm = lengths_matrix(mine, layout)
+    out = _comm._assemble(mine, layout, lm, lm.cpu().numpy(), np.array(keep, dtype=np.int64), rank,
+                          packed, recv_len, recv_len.cpu().numpy(), recv_counts)
+    kept, got = [rows(mine)[i] for i in keep], [rows(other)[i] for i in take]
+    want = kept + got if rank == 0 else got + kept
+    assert out.actual_batch_size == len(want)
+    assert rows(out)[: len(want)] == want
+    _check_padding(rows(out)[len(want) :])
+    cpu = out.to(torch.device("cpu"))
+    assert_identical(cpu, cpu)  # dtypes and shapes are well formed
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_pack_unpack_equals_index_select(device: str) -> None:
+def test_pack_and_assemble_without_a_process_group(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    dev = torch.device(device)
     for seed, labels in enumerate(("kjt", "dense", None)):
-        batch = make_batch(2, 7, 6, seed=seed, labels=labels).to(torch.device(device))
-        for order in ([5, 0, 3], [], [0, 1, 2, 3, 4, 5], [4]):
-            _roundtrip(batch, order)
+        mine = make_batch(0, 7, 6, seed=seed, labels=labels).to(dev)
+        other = make_batch(1, 7, 5, seed=seed, labels=labels).to(dev)
+        for keep, take in (([0, 2, 5], [4, 1]), ([], [0, 1, 2, 3, 4]), ([1], []), ([], []),
+                           ([0, 1, 2, 3, 4, 5], [3])):
+            if len(keep) + len(take) <= 7:
+                _exchange(mine, other, keep, sorted(take), 0)
+                _exchange(mine, other, keep, sorted(take), 1)
 
 
 @pytest.mark.cuda
