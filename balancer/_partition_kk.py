@@ -32,12 +32,16 @@ import numpy as np
 __all__ = ["kk_equal", "kk_free"]
 
 
-def kk_equal(vals: np.ndarray, num_parts: int) -> np.ndarray:
+def kk_equal(vals: np.ndarray, num_parts: int, give_up: bool = False) -> np.ndarray | None:
     """Equal-size KK on ascending ``vals``.
 
     Args:
         vals: [N] workloads sorted ascending, N divisible by ``num_parts``.
         num_parts: W.
+        give_up: return ``None`` if the first round merges fewer than 1/16 of
+            the pairs: the run would be a chain of single merges (the heavy
+            state keeps the largest spread), which is slow and is also exactly
+            when KK's result is poor (heavy tails).
 
     Returns:
         [N] int64 part id in ``[0, W)`` per sorted position; each part gets
@@ -69,6 +73,8 @@ def kk_equal(vals: np.ndarray, num_parts: int) -> np.ndarray:
             late = np.flatnonzero(spread[rb[1:]] < np.maximum.accumulate(new_spread)[:-1])
             if late.size:
                 acc = int(late[0]) + 1
+        if give_up and not records and 16 * acc < live.size:
+            return None
         window = 2 * acc if acc == win else acc
         ra, rb, perm = ra[:acc], rb[:acc], perm[:acc]
         sums[ra] = merged[:acc]

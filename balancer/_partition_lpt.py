@@ -33,6 +33,9 @@ __all__ = ["lpt", "lpt_heap", "lpt_rows"]
 # lpt_rows costs ~(8 + 0.05 * W) us per step and takes ~B steps; lpt_heap costs
 # ~0.25 us per item. They cross near W = 40 on this machine.
 _ROWS_MIN_PARTS = 40
+# Once this few parts are open (heavy parts topped up at the end), a step
+# serves only a couple of items: the heap is cheaper for the rest.
+_HEAP_TAIL_PARTS = 16
 
 
 def lpt(vals: np.ndarray, num_parts: int) -> np.ndarray:
@@ -90,6 +93,9 @@ def lpt_rows(vals: np.ndarray, num_parts: int) -> np.ndarray:
             cols = np.arange(pos) - np.repeat(np.cumsum(need) - need, need)
             rows[np.repeat(open_, need), cols] = np.arange(pos)
             break
+        if open_.size <= _HEAP_TAIL_PARTS:
+            _finish_with_heap(vals[:pos], open_, loads, counts, rows)
+            break
         order = open_[np.argsort(loads[open_], kind="stable")]
         sorted_loads = loads[order]
         m = int(np.searchsorted(sorted_loads, sorted_loads[0] + x0, side="left"))
@@ -107,3 +113,27 @@ def lpt_rows(vals: np.ndarray, num_parts: int) -> np.ndarray:
         if steps >= cap:  # no part can be full before it was served cap times
             open_ = open_[counts[open_] < cap]
     return rows
+
+
+def _finish_with_heap(vals: np.ndarray, open_: np.ndarray, loads: np.ndarray,
+                      counts: np.ndarray, rows: np.ndarray) -> None:
+    """Assign ``vals`` (ascending, all still unassigned) to the open parts by exact LPT."""
+    cap = rows.shape[1]
+    heap = [(load, j) for load, j in zip(loads[open_].tolist(), open_.tolist(), strict=True)]
+    heapq.heapify(heap)
+    cnt = dict(zip(open_.tolist(), counts[open_].tolist(), strict=True))
+    got: dict[int, list[int]] = {j: [] for j in cnt}
+    pos = vals.size - 1
+    for x in vals[::-1].tolist():
+        load, j = heap[0]
+        got[j].append(pos)
+        pos -= 1
+        cnt[j] += 1
+        if cnt[j] == cap:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (load + x, j))
+    for j, mine in got.items():
+        if mine:
+            rows[j, cap - cnt[j] : cap - counts[j]] = mine[::-1]
+            counts[j] = cnt[j]

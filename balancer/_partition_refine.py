@@ -23,6 +23,7 @@ import numpy as np
 __all__ = ["polish", "polish_pairs", "swap_rounds"]
 
 _PARTNERS = 8
+_BUDGET = 8192  # candidate swaps (partner items) searched per part and step
 
 
 def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
@@ -45,7 +46,10 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     k = min(w - 1, _PARTNERS)
     big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
     steps = 0
-    full = False  # True: search all parts, after the K lightest had no swap
+    # True: search all parts (always when that is small, else after the K
+    # lightest had no swap).
+    always_full = (w - 1) * b <= _BUDGET
+    full = always_full
     while steps < max_steps:
         p = int(np.argmax(loads))
         lp = loads[p]
@@ -73,7 +77,7 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                 break
             full = True
             continue
-        full = False
+        full = always_full
         q = int(cand[qi])
         ia = int(lo[qi, jb] if use_lo[qi, jb] else hi[qi, jb])
         ra, rb = rows[p, ia], rows[q, jb]
@@ -87,18 +91,21 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     return steps
 
 
-def _search_rows(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+def _search_rows(keys: np.ndarray, queries: np.ndarray, span: int | None = None) -> np.ndarray:
     """Row-wise ``searchsorted(keys[r], queries[r])``: keys [P, B], queries [P, Q].
 
     Integer keys are shifted by ``row * span`` so that one flat ``searchsorted``
     answers every row (exact and deterministic); floats, or spans that could
-    overflow, merge each row with one stable argsort instead.
+    overflow, merge each row with one stable argsort instead. ``span`` (for
+    non-negative ints: more than every key and query) saves four reductions.
     """
     p, b = keys.shape
     nq = queries.shape[1]
     if keys.dtype.kind == "i" and p and b and nq:
-        lo = min(int(keys.min()), int(queries.min()))
-        span = max(int(keys.max()), int(queries.max())) - lo + 1
+        lo = 0
+        if span is None:
+            lo = min(int(keys.min()), int(queries.min()))
+            span = max(int(keys.max()), int(queries.max())) - lo + 1
         if span < (1 << 62) // p:
             shift = (np.arange(p, dtype=np.int64) * span - lo)[:, None]
             flat = np.searchsorted((keys + shift).ravel(), (queries + shift).ravel())
@@ -128,6 +135,7 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     """
     w, b = rows.shape
     total = 0
+    big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
     for _ in range(max_rounds):
         order = np.argsort(loads, kind="stable")
         m = min(int(np.count_nonzero(loads > target)), w // 2)
@@ -135,19 +143,22 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
             break
         heavy = order[::-1][:m]
         light = order[:m]
-        s = min(partners, m)
+        s = max(1, min(partners, m, _BUDGET // (m * b)))
         part = light[(np.arange(m)[:, None] + np.arange(s)[None, :]) % m]  # [m, s]
         gap = loads[heavy][:, None] - loads[part]  # [m, s]
         a2 = 2 * vals[rows[heavy]]  # [m, B]
         want = (2 * vals[rows[part]] + gap[:, :, None]).reshape(m, s * b)
-        hi = np.minimum(_search_rows(a2, want), b - 1)
+        # Keys and queries are >= 0 and below 2 max(vals) + max(gap) + 1.
+        span = int(2 * vals[-1] + (loads[heavy[0]] - loads[light[0]])) + 1 \
+            if vals.dtype.kind == "i" else None
+        hi = np.minimum(_search_rows(a2, want, span), b - 1)
         lo = np.maximum(hi - 1, 0)
-        err_hi = np.abs(np.take_along_axis(a2, hi, axis=1) - want)
-        err_lo = np.abs(np.take_along_axis(a2, lo, axis=1) - want)
+        ridx = np.arange(m)[:, None]
+        err_hi = np.abs(a2[ridx, hi] - want)
+        err_lo = np.abs(a2[ridx, lo] - want)
         use_lo = err_lo < err_hi
         err = np.where(use_lo, err_lo, err_hi).reshape(m, s, b)
         # New pair max is (L_h + L_q + err) / 2: rank by L_q + err.
-        big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
         score = np.where(err < gap[:, :, None], err + loads[part][:, :, None], big)
         best = np.argmin(score.reshape(m, s * b), axis=1)
         hs = np.arange(m)
@@ -155,10 +166,13 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
         hs, best = hs[ok], best[ok]
         if hs.size == 0:
             break
+        last = hs.size
         si, jb = np.divmod(best, b)
         q = part[hs, si]
         # One swap per light part: the heaviest claimant (smallest hs) wins.
-        _, first = np.unique(q, return_index=True)
+        claim = np.full(w, m)
+        np.minimum.at(claim, q, hs)
+        first = claim[q] == hs
         hs, si, jb, q = hs[first], si[first], jb[first], q[first]
         flat = si * b + jb
         ia = np.where(use_lo[hs, flat], lo[hs, flat], hi[hs, flat])
@@ -173,6 +187,8 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
         loads[h] -= d
         loads[q] += d
         total += int(h.size)
+        if h.size * 8 < m or last * 8 < m:
+            break  # few parts fixed: single swaps (polish) are cheaper now
     return total
 
 
