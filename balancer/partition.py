@@ -227,10 +227,10 @@ def karmarkar_karp(workloads: Any, num_parts: int, equal_size: bool = True) -> l
     order = _sort_order(x)
     v = x[order]
     if not equal_size:
-        part = kk_free(v, num_parts)
-        return [np.sort(order[part == j]).tolist() for j in range(num_parts)]
+        free = kk_free(v, num_parts)
+        return [np.sort(order[free == j]).tolist() for j in range(num_parts)]
     part = kk_equal(v, num_parts)
-    assert part is not None, "no round limit"
+    assert part is not None, "kk_equal only gives up when asked to"
     return _to_lists(order, np.argsort(part, kind="stable").reshape(num_parts, -1))
 
 
