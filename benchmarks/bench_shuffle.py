@@ -9,7 +9,14 @@ workload is attention-like, ``L**2 + 64 * L``.
     .venv/bin/python benchmarks/bench_shuffle.py [--quick] [--json-out FILE]
 
 Prints a table and writes JSON lines (first line: hardware and versions).
-Per-step time is the median over steps of the slowest rank's ``shuffle`` time.
+Columns: ``step ms`` -- median over steps of the slowest rank's synchronous
+shuffle (start + finish back to back, so the partition is on the critical
+path); ``p2 ovl ms`` -- the same for ``finish_shuffle`` alone once the
+partition is done on every rank (what a pipeline that hides the partition
+pays); ``sent KB/rank`` -- bytes each rank sends in phase 2 (mean over ranks
+and steps); ``batch KB`` -- one rank's batch on the wire; ``moved`` -- share of
+real samples that change rank; ``imb`` -- max/mean rank workload before and
+after; ``max/LB`` -- max load over the partition lower bound.
 """
 
 from __future__ import annotations
@@ -177,6 +184,9 @@ def environment(partition_name: str) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=False).stdout.strip()
+        commit += "-dirty" if dirty else ""
     except OSError:
         commit = ""
     versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
@@ -235,7 +245,8 @@ def main() -> None:
     args = ap.parse_args()
     _, partition_name = _partitioner()
     sizes = args.batch_sizes or ("32,128" if args.quick else "32,128,512")
-    cfg = dict(batch_sizes=[int(x) for x in sizes.split(",")], dists=args.dists.split(","), steps=args.steps or (3 if args.quick else 10),
+    cfg = dict(batch_sizes=[int(x) for x in sizes.split(",")], dists=args.dists.split(","),
+               steps=args.steps or (3 if args.quick else 20),
                warmup=1 if args.quick else 2, seed=args.seed)
     env = environment(partition_name)
     rows: list[dict[str, Any]] = []
