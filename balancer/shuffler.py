@@ -23,7 +23,6 @@ in its header, and every rank raises a ``ValueError`` naming it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from balancer._comm import Traffic
 from balancer._plan import Outcome, PartitionFn, partition_task, simple_lower_bound, wire_layout
 from balancer._stats import H_BATCH, H_FP, H_REAL, HEADER_LEN, Agreement, ShuffleStats
 from balancer.batch import BaseBatch
+from balancer.partition import balanced_partition, localize, lower_bound
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,9 @@ class ShufflerConfig:
     """``"all2all"``: send each sample that changes rank once (least traffic).
     ``"allgather"``: gather every rank's batch everywhere, select locally."""
 
-    partition: PartitionFn | None = None
-    """Partitioner; ``None`` is ``balancer.partition.balanced_partition``."""
+    partition: PartitionFn = balanced_partition
+    """Partitioner: ``(workloads [N], W) -> W`` parts of ``N / W`` global indices;
+    must be deterministic (every rank runs it on identical input)."""
 
     locality: bool = True
     """Refine the partition with ``balancer.partition.localize`` so samples stay
@@ -70,8 +71,8 @@ class ShufflerConfig:
     def __post_init__(self) -> None:
         if self.comm not in ("all2all", "allgather"):
             raise ValueError(f"comm={self.comm!r}, expected 'all2all' or 'allgather'")
-        if self.partition is not None and not callable(self.partition):
-            raise ValueError(f"partition={self.partition!r}, expected a callable or None")
+        if not callable(self.partition):
+            raise ValueError(f"partition={self.partition!r}, expected a callable")
         if not isinstance(self.locality, bool):
             raise ValueError(f"locality={self.locality!r}, expected a bool")
         if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
@@ -175,7 +176,12 @@ class _ShufflerBase:
         return handle
 
     def _claim(self, handle: ShuffleHandle) -> None:
-        """Check that ``handle`` may finish now and mark it finished."""
+        """Check that ``handle`` may finish now and mark it finished.
+
+        Every check depends only on calls every rank makes alike (never on
+        whether the partition thread got to a handle), so all ranks agree.
+        """
+        self._check_open()
         if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token:
             raise RuntimeError(f"{handle!r} was not started by this {type(self).__name__}")
         if handle._state.finished:
@@ -256,7 +262,7 @@ class BatchShuffler(_ShufflerBase):
 
     def __init__(self, workload_fn: Callable[[Any], Any], *,
                  comm: str = "all2all",
-                 partition: PartitionFn | None = None, locality: bool = True,
+                 partition: PartitionFn = balanced_partition, locality: bool = True,
                  log_interval: int = 0) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
@@ -266,7 +272,6 @@ class BatchShuffler(_ShufflerBase):
         self._agreed: dict[Any, Agreement] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
-        self._algos: tuple[PartitionFn, Callable[..., Any] | None, Callable[..., float]] | None = None
 
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
         """Phase 1: gather workloads and start the partition in the background.
@@ -285,7 +290,6 @@ class BatchShuffler(_ShufflerBase):
         t0 = perf_counter()
         if w == 1:
             return self._local_handle(batch, t0)
-        algos = self._algorithms()
         with record_function("## balancer.shuffle.phase1 ##"):
             gathered, agreed = self._gather(batch, group, rank)
             b = agreed.batch_size
@@ -296,7 +300,9 @@ class BatchShuffler(_ShufflerBase):
             workloads[padding] = 0
             sizes[padding] = 0
             workloads, sizes = workloads.reshape(-1), sizes.reshape(-1)
-            future = self._pool().submit(partition_task, workloads, sizes, real, rank, *algos)
+            future = self._pool().submit(
+                partition_task, workloads, sizes, real, rank, self.config.partition,
+                localize if self.config.locality else None, lower_bound)
         return self._register(ShuffleHandle(
             self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, real,
             agreed.fingerprint, future,
@@ -324,9 +330,6 @@ class BatchShuffler(_ShufflerBase):
                 the started one -- a programming error raised on this rank only,
                 before any collective (the other ranks then wait in phase 2).
         """
-        # Checked before anything else, on every rank alike: a closed shuffler
-        # must not depend on whether the partition thread got to this handle.
-        self._check_open()
         self._claim(handle)
         t0 = perf_counter()
         if handle._future is None:
@@ -371,22 +374,6 @@ class BatchShuffler(_ShufflerBase):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="balancer-partition")
             self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
         return self._executor
-
-    def _algorithms(self) -> tuple[PartitionFn, Callable[..., Any] | None, Callable[..., float]]:
-        if self._algos is None:
-            cfg = self.config
-            try:
-                mod: Any = importlib.import_module("balancer.partition")
-            except ImportError:
-                if cfg.partition is None or cfg.locality:
-                    raise
-                mod = None
-            self._algos = (
-                cfg.partition or mod.balanced_partition,
-                mod.localize if cfg.locality else None,
-                getattr(mod, "lower_bound", simple_lower_bound),
-            )
-        return self._algos
 
     def _gather(self, batch: Any, group: Any, rank: int) -> tuple[np.ndarray, Agreement]:
         """The phase-1 all-gather, preceded on first use (or when every rank

@@ -80,27 +80,6 @@ def attention_cost(batch: BaseBatch) -> torch.Tensor:
     return seq * seq + 64 * seq
 
 
-def _partitioner() -> tuple[Any, str]:
-    try:
-        importlib.import_module("balancer.partition")
-        return None, "balancer.partition.balanced_partition"
-    except ImportError:  # until balancer.partition exists: largest first, no locality
-        return _greedy, "stand-in greedy (balancer.partition missing)"
-
-
-def _greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
-    b = workloads.size // num_parts
-    loads = np.zeros(num_parts)
-    count = np.zeros(num_parts, np.int64)
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    for i in np.argsort(-workloads, kind="stable"):
-        r = int(np.argmin(np.where(count < b, loads, np.inf)))
-        parts[r].append(int(i))
-        loads[r] += workloads[i]
-        count[r] += 1
-    return parts
-
-
 def _run(shuffler: BatchShuffler, batches: list[BenchBatch], warmup: int, overlap: bool) -> tuple[list[float], list[Any]]:
     """Per step: the slowest-rank-relevant time and the stats.
 
@@ -126,17 +105,15 @@ def _run(shuffler: BatchShuffler, batches: list[BenchBatch], warmup: int, overla
 
 
 def worker(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    partition, _ = _partitioner()
     out = []
     for b in cfg["batch_sizes"]:
         for dist_name in cfg["dists"]:
             rng = np.random.default_rng([cfg["seed"], b, rank])
             batches = [make_batch(rng, b, dist_name) for _ in range(cfg["warmup"] + cfg["steps"])]
-            # the stand-in has no localize: locality variants need balancer.partition
-            for comm, locality in VARIANTS if partition is None else (("all2all", False), ("allgather", False)):
-                with BatchShuffler(attention_cost, comm=comm, partition=partition, locality=locality) as s:
+            for comm, locality in VARIANTS:
+                with BatchShuffler(attention_cost, comm=comm, locality=locality) as s:
                     times, stats = _run(s, batches, cfg["warmup"], overlap=False)
-                with BatchShuffler(attention_cost, comm=comm, partition=partition, locality=locality) as s:
+                with BatchShuffler(attention_cost, comm=comm, locality=locality) as s:
                     p2_times, _ = _run(s, batches, cfg["warmup"], overlap=True)
                 out.append(dict(
                     world_size=w, batch_size=b, dist=dist_name, comm=comm, locality=locality, rank=rank,
@@ -180,7 +157,7 @@ def summarise(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def environment(partition_name: str) -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=False).stdout.strip()
@@ -197,7 +174,7 @@ def environment(partition_name: str) -> dict[str, Any]:
             versions[name] = "n/a"
     return dict(kind="environment", machine=platform.machine(), processor=platform.processor(),
                 platform=platform.platform(), cpu_count=os.cpu_count(), backend="gloo (CPU)",
-                versions=versions, commit=commit, partition=partition_name)
+                versions=versions, commit=commit, partition="balancer.partition.balanced_partition + localize")
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -243,17 +220,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    _, partition_name = _partitioner()
     sizes = args.batch_sizes or ("32,128" if args.quick else "32,128,512")
     cfg = dict(batch_sizes=[int(x) for x in sizes.split(",")], dists=args.dists.split(","),
                steps=args.steps or (3 if args.quick else 20),
                warmup=1 if args.quick else 2, seed=args.seed)
-    env = environment(partition_name)
+    env = environment()
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for w in (int(x) for x in args.world_sizes.split(",")):
         rows += summarise(run_workers(worker, w, cfg, timeout=900))
-    print(f"# {env['platform']}, {env['cpu_count']} CPUs, gloo; partition: {partition_name}; "
+    print(f"# {env['platform']}, {env['cpu_count']} CPUs, gloo; partition: {env['partition']}; "
           f"{cfg['steps']} steps; {time.perf_counter() - t0:.0f} s")
     print_table(rows)
     rs = ratios(rows)

@@ -11,6 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._plan import (
     destinations,
+    gather_segments,
     partition_task,
     plan_rank,
     sample_bytes,
@@ -176,3 +177,19 @@ def test_partition_task_never_worsens_the_max_load() -> None:
     out = partition_task(workloads, workloads, np.array([3, 3]), 0,
                          lambda wl, n: [[1, 3, 5], [0, 2, 4]], None, simple_lower_bound)
     assert out.dest.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("unit", [torch.int64, torch.int32, torch.float16, torch.uint8])
+def test_gather_segments_is_bit_exact(unit: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    raw[:64] = 0xFF  # NaN bit patterns for the floating unit
+    buf = raw.view(unit)
+    lengths = torch.randint(0, 9, (64,), generator=g)
+    lengths[-1] = buf.numel() - int(lengths[:-1].sum())
+    ids = torch.randperm(63, generator=g)[:40]
+    total = int(lengths[ids].sum())
+    got = gather_segments(buf, lengths, ids, total)
+    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
+    want = torch.cat([buf[offsets[i] : offsets[i + 1]] for i in ids.tolist()])
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

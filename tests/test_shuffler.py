@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 import logging
-import sys
 import time
-import types
 from collections import Counter
 from typing import Any
 
@@ -23,7 +20,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer import _comm
-from balancer._plan import gather_segments, lengths_matrix, simple_lower_bound, wire_layout
+from balancer._plan import lengths_matrix, wire_layout
 from balancer.batch import BaseBatch
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from tests.dist_harness import WorkerError, run_workers, run_workers_outcomes
@@ -89,33 +86,6 @@ def greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
     return parts
 
 
-def _standin_localize(parts: list[list[int]], workloads: np.ndarray, home: np.ndarray,
-                      sizes: np.ndarray | None) -> list[list[int]]:
-    """Test stand-in: give each part to the rank already holding most of its bytes."""
-    w = len(parts)
-    weight = sizes if sizes is not None else np.ones(home.size)
-    overlap = np.array([[weight[np.asarray(p)][home[np.asarray(p)] == r].sum() for r in range(w)] for p in parts])
-    out: list[list[int]] = [[] for _ in range(w)]
-    free_parts, free_ranks = set(range(w)), set(range(w))
-    for flat in np.argsort(-overlap, axis=None, kind="stable"):
-        p, r = divmod(int(flat), w)
-        if p in free_parts and r in free_ranks:
-            out[r] = list(parts[p])
-            free_parts.discard(p)
-            free_ranks.discard(r)
-    return out
-
-
-def _ensure_partition_module() -> None:
-    """Until balancer.partition lands, install a stand-in (in forked workers only)."""
-    if importlib.util.find_spec("balancer.partition") is None:
-        mod = types.ModuleType("balancer.partition")
-        mod.balanced_partition = greedy  # type: ignore[attr-defined]
-        mod.localize = _standin_localize  # type: ignore[attr-defined]
-        mod.lower_bound = simple_lower_bound  # type: ignore[attr-defined]
-        sys.modules["balancer.partition"] = mod
-
-
 def rows(batch: BaseBatch) -> list[tuple[Any, ...]]:
     """Every sample as a hashable tuple of all its data (KJTs per key, dense rows)."""
     b = batch.batch_size
@@ -156,7 +126,6 @@ _VARIANTS = ("blind", "local", "default")
 
 
 def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
-    _ensure_partition_module()
     results = []
     rng = np.random.default_rng(123)  # same draws on every rank
     ag = BatchShuffler(token_count, comm="allgather", partition=greedy, locality=False)
@@ -472,22 +441,6 @@ def test_config_validation() -> None:
 
 
 # ------------------------------------------------------------ wire format
-@pytest.mark.parametrize("unit", [torch.int64, torch.int32, torch.float16, torch.uint8])
-def test_gather_segments_is_bit_exact(unit: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
-    raw[:64] = 0xFF  # NaN bit patterns for the floating unit
-    buf = raw.view(unit)
-    lengths = torch.randint(0, 9, (64,), generator=g)
-    lengths[-1] = buf.numel() - int(lengths[:-1].sum())
-    ids = torch.randperm(63, generator=g)[:40]
-    total = int(lengths[ids].sum())
-    got = gather_segments(buf, lengths, ids, total)
-    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
-    want = torch.cat([buf[offsets[i] : offsets[i + 1]] for i in ids.tolist()])
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-
-
 def _exchange(mine: TaggedBatch, other: TaggedBatch, keep: list[int], take: list[int], rank: int) -> None:
     """Rank ``rank`` of 2 keeps ``keep`` of ``mine`` and receives ``take`` of
     ``other`` (packed by the other rank), without a process group."""
