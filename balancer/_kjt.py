@@ -99,13 +99,23 @@ def kjt_index_select_reference(
     return _rebuild(kjt, values, sel_len, weights)
 
 
+# The CPU kernel copies values of these dtypes and weights of float32/float64
+# only; other dtypes travel as a same-size one (bits are copied, never computed).
+_CPU_VALUE_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.float16}
+_CPU_WEIGHT_VIEWS = {8: torch.float64, 4: torch.float32}
+
+
 def _select_cpu(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTensor:
+    v, w = kjt.values(), kjt.weights_or_none()
+    v_as = _CPU_VALUE_VIEWS.get(v.element_size())
+    w_as = None if w is None else _CPU_WEIGHT_VIEWS.get(w.element_size())
+    if v_as is None or (w is not None and w_as is None):  # 1-byte values, 2-byte weights
+        return kjt_index_select_reference(kjt, indices)
     seg = segment_ids(indices.to(torch.int32), len(kjt.keys()), kjt.stride())
-    lengths = kjt.lengths()
     sel_lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
-        seg, lengths, kjt.values(), kjt.weights_or_none()
+        seg, kjt.lengths(), v.view(v_as), None if w is None else w.view(w_as)
     )
-    return _rebuild(kjt, values, sel_lengths, weights)
+    return _rebuild(kjt, values.view(v.dtype), sel_lengths, None if w is None else weights.view(w.dtype))
 
 
 def _select_cuda(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTensor:

@@ -205,6 +205,54 @@ def test_conservation_reference_and_paths(world_size: int) -> None:
     assert moved["local"] <= moved["blind"]
 
 
+@dataclasses.dataclass(kw_only=True)
+class OddBatch(BaseBatch):
+    small: torch.Tensor  # [B, 2] int8
+    flag: torch.Tensor  # [B] bool
+    half: torch.Tensor  # [B, 3] float16
+    codes: KeyedJaggedTensor  # uint8 values, float16 weights
+
+
+def _odd_batch(rank: int, b: int, real: int, seed: int) -> OddBatch:
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    lengths = torch.randint(0, 4 + 3 * rank, (2, b), generator=g)
+    lengths[:, real:] = 0
+    n = int(lengths.sum())
+    features = KeyedJaggedTensor(keys=["x", "y"], values=torch.randn(n, generator=g, dtype=torch.float64),
+                                 weights=torch.rand(n, generator=g, dtype=torch.float64), lengths=lengths.view(-1))
+    clen = lengths[0].clamp(max=2)
+    codes = KeyedJaggedTensor(keys=["c"], values=torch.randint(0, 255, (int(clen.sum()),), generator=g).to(torch.uint8),
+                              weights=torch.rand(int(clen.sum()), generator=g).half(), lengths=clen)
+    live = (torch.arange(b) < real).unsqueeze(1)
+    small = torch.randint(-100, 100, (b, 2), generator=g).to(torch.int8) * live
+    half = torch.randn(b, 3, generator=g).half() * live
+    flag = torch.rand(b, generator=g) > 0.5
+    flag[real:] = False
+    return OddBatch(features=features, batch_size=b, feature_to_max_seqlen={}, actual_batch_size=real,
+                    labels=None, small=small, flag=flag, half=half, codes=codes)
+
+
+def _odd_dtypes_worker(rank: int, w: int) -> list[tuple[list[Any], list[Any]]]:
+    a2a = BatchShuffler(token_count, comm="all2all")
+    ag = BatchShuffler(token_count, comm="allgather")
+    out = []
+    for seed in range(6):
+        batch = _odd_batch(rank, 5, [5, 3, 0, 5, 1, 4][seed] if rank else 5, seed)
+        got = a2a.shuffle(batch)
+        assert_identical(got, ag.shuffle(batch))
+        out.append((rows(batch)[: batch.actual_batch_size], rows(got)[: got.actual_batch_size]))
+    return out
+
+
+def test_uncommon_dtypes_both_paths() -> None:
+    """float64 / uint8 values, float16 / float64 weights, int8 / bool / float16 dense rows."""
+    per_rank = run_workers(_odd_dtypes_worker, 2)
+    for case in range(len(per_rank[0])):
+        real_in = [row for r in per_rank for row in r[case][0]]
+        real_out = [row for r in per_rank for row in r[case][1]]
+        assert Counter(real_out) == Counter(real_in), case
+
+
 # ------------------------------------------------------------------ async
 def _boom_once() -> Any:
     calls = []
