@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Traffic", "all_gather_fixed", "all_to_all_uneven", "redistribute_all2all", "redistribute_allgather",
+    "resolve_group",
 ]
 
 # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
@@ -58,6 +60,16 @@ class Traffic:
 
 
 # ------------------------------------------------------------- collectives
+def resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
+    """``(group, world size, rank)``, resolved now: ``None`` is the default group
+    (``dist.group.WORLD`` is ``None`` before ``init_process_group``, so it is
+    never a default argument); ``(None, 1, 0)`` without torch.distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None, 1, 0
+    group = pg if pg is not None else dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
 def all_gather_fixed(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
     """All-gather a 1-D tensor whose size every rank knows in advance.
 

@@ -123,14 +123,6 @@ class ShuffleHandle:
         return self._future is None or self._future.done()
 
 
-def _resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
-    """``(group, world size, rank)``; ``(None, 1, 0)`` without torch.distributed."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None, 1, 0
-    group = pg if pg is not None else dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group)
-
-
 class _ShufflerBase:
     """Handle bookkeeping shared by both shufflers: sequence numbers, start-order
     finishing, one finish per handle, local (no-communication) handles."""
@@ -197,7 +189,7 @@ class _ShufflerBase:
 
     def _local_handle(self, batch: Any, t0: float) -> ShuffleHandle:
         """A handle for a shuffle that communicates nothing (W == 1, identity)."""
-        _, _, rank = _resolve_group(None)
+        _, _, rank = _comm.resolve_group(None)
         if self._workload_fn is None:
             b = int(getattr(batch, "batch_size", 0))
             real = int(getattr(batch, "actual_batch_size", b) or 0)
@@ -286,7 +278,7 @@ class BatchShuffler(_ShufflerBase):
                 negative or not finite); names the rank(s).
         """
         self._check_open()
-        group, w, rank = _resolve_group(pg)
+        group, w, rank = _comm.resolve_group(pg)
         t0 = perf_counter()
         if w == 1:
             return self._local_handle(batch, t0)
@@ -336,7 +328,7 @@ class BatchShuffler(_ShufflerBase):
             self._record(handle, None, Traffic(), perf_counter() - t0)
             return batch
         with record_function("## balancer.shuffle.phase2 ##"):
-            group, w, rank = _resolve_group(pg)
+            group, w, rank = _comm.resolve_group(pg)
             if (w, rank) != (handle.world_size, handle.rank):
                 raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
                                  f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")
