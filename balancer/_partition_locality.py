@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer._partition_refine import polish, polish_pairs, swap_rounds
+from balancer._partition_refine import polish, polish_pairs, sort_order, swap_rounds
 
 __all__ = ["assign_parts", "localize_rows", "rebalance_from_home", "stay_bytes", "tie_swaps"]
 
@@ -52,6 +52,9 @@ def assign_parts(rows: np.ndarray, home: np.ndarray, sizes: np.ndarray) -> np.nd
     free_r = np.arange(w)
     while free_p.size:
         sub = overlap[np.ix_(free_p, free_r)]
+        if not sub.max() > 0:
+            rank_of[free_p] = free_r  # nothing left to gain: in order
+            break
         best_r = np.argmax(sub, axis=1)  # per free part
         best_p = np.argmax(sub, axis=0)  # per free rank
         mutual = np.flatnonzero(best_p[best_r] == np.arange(free_p.size))
@@ -107,17 +110,23 @@ def tie_swaps(x: np.ndarray, rows: np.ndarray, home: np.ndarray, sizes: np.ndarr
     return np.sort(out.reshape(w, b), axis=1)
 
 
-def rebalance_from_home(x: np.ndarray, home: np.ndarray, max_load: int | float,
-                        max_steps: int) -> np.ndarray | None:
+def rebalance_from_home(x: np.ndarray, home: np.ndarray, num_parts: int,
+                        max_load: int | float, max_steps: int) -> np.ndarray | None:
     """Start from the home placement and refine down to ``max_load``.
+
+    Args:
+        x: [N] workloads.
+        home: [N] rank per sample, in ``[0, num_parts)``.
+        num_parts: W.
+        max_load: the max part load to reach (the balanced partition's).
+        max_steps: swap budget of the single-swap polish.
 
     Returns:
         [W, B] rows (indices) whose max load is ``<= max_load``, or ``None``
         if the refinement could not get there within ``max_steps`` swaps.
     """
-    n = x.size
-    w = int(home.max()) + 1 if n else 0
-    b = n // w if w else 0
+    n, w = x.size, num_parts
+    b = n // w
     # Keep up to B items per rank (the lightest-indexed first); the overflow
     # fills the ranks that have room, in order.
     order = np.lexsort((np.arange(n), home))
@@ -134,8 +143,7 @@ def rebalance_from_home(x: np.ndarray, home: np.ndarray, max_load: int | float,
         cc = np.concatenate([np.arange(b - k, b) for k in room.tolist()])
         rows[rr, cc] = order[~keep]
     # Refine in sorted-position space, as balanced_partition does.
-    srt = np.argsort(x * n + np.arange(n)) if x.dtype.kind == "i" and n and \
-        int(x.max()) < (1 << 62) // n else np.argsort(x, kind="stable")
+    srt = sort_order(x)
     rank = np.empty(n, np.int64)
     rank[srt] = np.arange(n)
     v = x[srt]
@@ -160,7 +168,7 @@ def localize_rows(x: np.ndarray, rows: np.ndarray, home: np.ndarray,
     best = rows[np.argsort(assign_parts(rows, home, sizes), kind="stable")]
     best = tie_swaps(x, best, home, sizes)
     if w <= _HOME_START_MAX_PARTS:
-        alt = rebalance_from_home(x, home, max_load, 4 * w + 32)
+        alt = rebalance_from_home(x, home, w, max_load, 4 * w + 32)
         if alt is not None:
             alt = tie_swaps(x, alt, home, sizes)
             if stay_bytes(alt, home, sizes) > stay_bytes(best, home, sizes):

@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["polish", "polish_pairs", "swap_rounds"]
+__all__ = ["polish", "polish_pairs", "sort_order", "swap_rounds"]
 
 _PARTNERS = 8
 _BUDGET = 8192  # candidate swaps (partner items) searched per part and step
+
+
+def sort_order(x: np.ndarray) -> np.ndarray:
+    """Ascending order of ``x`` with ties by index, the same on every platform."""
+    n = x.size
+    if x.dtype.kind == "i" and n and int(x.max()) < (1 << 62) // n:
+        # Unique keys: any sort algorithm (SIMD or not) gives the same order.
+        return np.argsort(x * n + np.arange(n, dtype=np.int64))
+    return np.argsort(x, kind="stable")
 
 
 def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,

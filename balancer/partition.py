@@ -47,7 +47,7 @@ import numpy as np
 from balancer._partition_kk import kk_equal, kk_free
 from balancer._partition_locality import localize_rows
 from balancer._partition_lpt import lpt
-from balancer._partition_refine import polish, polish_pairs, swap_rounds
+from balancer._partition_refine import polish, polish_pairs, sort_order, swap_rounds
 from balancer._partition_worker import PartitionWorker
 
 logger = logging.getLogger(__name__)
@@ -103,15 +103,6 @@ def _as_workloads(workloads: Any, num_parts: int) -> np.ndarray:
     if n and float(x.sum(dtype=np.float64)) >= _MAX_TOTAL:
         raise ValueError(f"workloads sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
     return x
-
-
-def _sort_order(x: np.ndarray) -> np.ndarray:
-    """Ascending order of ``x`` with ties by index, the same on every platform."""
-    n = x.size
-    if x.dtype.kind == "i" and n and int(x.max()) < (1 << 62) // n:
-        # Unique keys: any sort algorithm (SIMD or not) gives the same order.
-        return np.argsort(x * n + np.arange(n, dtype=np.int64))
-    return np.argsort(x, kind="stable")
 
 
 def _bound_sorted(v: np.ndarray, num_parts: int) -> int | float:
@@ -224,7 +215,7 @@ def karmarkar_karp(workloads: Any, num_parts: int, equal_size: bool = True) -> l
     """
     _check_num_parts(num_parts)
     x = _as_workloads(workloads, num_parts if equal_size else 1)
-    order = _sort_order(x)
+    order = sort_order(x)
     v = x[order]
     if not equal_size:
         free = kk_free(v, num_parts)
@@ -270,7 +261,7 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
     if b <= 1 or w == 1:
         parts = np.arange(n, dtype=np.int64).reshape(w, b).tolist()
     else:
-        order = _sort_order(x)
+        order = sort_order(x)
         v = x[order]
         rows = lpt(v, w)
         loads = v[rows].sum(axis=1)

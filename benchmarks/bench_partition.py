@@ -267,12 +267,13 @@ def contention_submit(worker: PartitionWorker, x: np.ndarray, w: int, kind: str,
             "main_slowdown": statistics.median(loaded) / statistics.median(base) - 1}
 
 
-def thread_experiment(cases: list[tuple[int, int]], step_ms: float, steps: int,
+def thread_experiment(cases: list[tuple[int, int, float]], steps: int,
                       emit: Callable[[dict[str, Any]], None]) -> None:
-    print(f"\n## Thread contention (main thread does {step_ms:.0f} ms of work per step)\n")
-    print("| W x B | method | main thread | main slowdown | latency alone (ms) "
+    """``cases``: (W, B, main-thread work per step in ms)."""
+    print("\n## Thread contention (main thread: fixed work per step, partition submitted at its start)\n")
+    print("| W x B | step | method | main thread | main slowdown | latency alone (ms) "
           "| latency contended (ms, median / p90) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     worker = PartitionWorker()
     methods: dict[str, Method] = {
         "textbook KK (pure Python)": ref_kk,
@@ -281,7 +282,7 @@ def thread_experiment(cases: list[tuple[int, int]], step_ms: float, steps: int,
         "PartitionWorker (in the thread)": worker,
     }
     try:
-        for w, b in cases:
+        for w, b, step_ms in cases:
             x, _ = make_workloads("lognormal", w * b, 0)
             for name, fn in methods.items():
                 if fn is ref_kk and w * b > 16384:
@@ -290,19 +291,20 @@ def thread_experiment(cases: list[tuple[int, int]], step_ms: float, steps: int,
                     r = contention(fn, x, w, kind, step_ms, steps)
                     emit({"kind": "contention", "W": w, "B": b, "method": name,
                           "main": kind, "step_ms": step_ms, **r})
-                    _contention_row(w, b, name, kind, r)
+                    _contention_row(w, b, step_ms, name, kind, r)
             for kind in ("python", "torch"):
                 r = contention_submit(worker, x, w, kind, step_ms, steps)
                 name = "PartitionWorker.submit, no thread"
                 emit({"kind": "contention", "W": w, "B": b, "method": name,
                       "main": kind, "step_ms": step_ms, **r})
-                _contention_row(w, b, name, kind, r)
+                _contention_row(w, b, step_ms, name, kind, r)
     finally:
         worker.close()
 
 
-def _contention_row(w: int, b: int, name: str, kind: str, r: dict[str, float]) -> None:
-    print(f"| {w}x{b} | {name} | {kind} | {100 * r['main_slowdown']:+.1f} % | "
+def _contention_row(w: int, b: int, step_ms: float, name: str, kind: str,
+                    r: dict[str, float]) -> None:
+    print(f"| {w}x{b} | {step_ms:.0f} ms | {name} | {kind} | {100 * r['main_slowdown']:+.1f} % | "
           f"{r['alone_ms']:.2f} | {r['contended_ms']:.2f} / {r['contended_p90_ms']:.2f} | "
           f"{r['contended_ms'] / r['alone_ms']:.1f}x |", flush=True)
 
@@ -362,9 +364,15 @@ def scaling(sizes: list[tuple[int, int]], methods: dict[str, Method],
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, pts in curves.items():
-            ax.loglog([p[0] for p in pts], [1e3 * p[1] for p in pts], marker="o", label=name)
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for (name, pts), marker in zip(curves.items(), "os^v", strict=False):
+            ax.scatter([p[0] for p in pts], [1e3 * p[1] for p in pts], marker=marker, label=name)
+        for (w, b), (n, sec) in zip(sizes, curves["balanced_partition"], strict=True):
+            ax.annotate(f"{w}x{b}", (n, 1e3 * sec), fontsize=7, xytext=(4, -10),
+                        textcoords="offset points")
+        ax.plot([1024, 8192, 131072], [1, 3, 25], "k--", lw=1, label="target")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_xlabel("N = W x B (lognormal lengths)")
         ax.set_ylabel("ms per call")
         ax.grid(True, which="both", alpha=0.3)
@@ -381,7 +389,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=None, help="instances per config (default 3, quick 1)")
     ap.add_argument("--json-out", default=None, help="write JSON lines here")
     ap.add_argument("--plot", default=None, help="write the time-vs-N plot here (PNG)")
-    ap.add_argument("--step-ms", type=float, default=50.0, help="main-thread work per step")
+    ap.add_argument("--step-ms", type=float, default=50.0,
+                    help="main-thread work per step (x10 for the N=131072 case)")
     args = ap.parse_args()
     seeds = args.seeds or (1 if args.quick else 3)
     out = open(args.json_out, "w") if args.json_out else None  # noqa: SIM115
@@ -400,7 +409,7 @@ def main() -> None:
     if args.quick:
         configs = [(8, 32), (8, 128), (64, 32), (64, 128)]
         quality(configs, seeds, emit, methods)
-        thread_experiment([(64, 128)], args.step_ms, 10, emit)
+        thread_experiment([(64, 128, args.step_ms)], 10, emit)
         locality([(4, 128), (8, 128)], seeds, emit)
     else:
         configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
@@ -408,7 +417,8 @@ def main() -> None:
         fast = {k: methods[k] for k in ("karmarkar_karp", "balanced_partition")}
         scaling([(8, 128), (32, 32), (64, 128), (256, 32), (256, 128), (256, 512), (1024, 128)],
                 fast, emit, args.plot)
-        thread_experiment([(8, 128), (64, 128), (256, 512)], args.step_ms, 20, emit)
+        thread_experiment([(8, 128, args.step_ms), (64, 128, args.step_ms),
+                           (256, 512, 10 * args.step_ms)], 20, emit)
         locality([(4, 128), (4, 512), (8, 128), (8, 512)], seeds, emit)
     if out:
         out.close()
