@@ -11,19 +11,29 @@ import dataclasses
 
 __all__ = ["BalancerConfig"]
 
-_COMMS = ("all2all", "allgather")
+COMMS = ("all2all", "allgather")
 _PARTITIONS = ("balanced", "karmarkar_karp")
 _PIPELINES = ("sparse_dist", "prefetch")
 
 
-def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+# The checks below are shared with `BatchShuffler`, whose keyword arguments are
+# the same settings; `owner` names who was given the value.
+def check_choice(owner: str, field: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(f"BalancerConfig: {field}={value!r}, expected one of {list(choices)}")
+        raise ValueError(f"{owner}: {field}={value!r}, expected one of {list(choices)}")
 
 
-def _check_bool(field: str, value: object) -> None:
+def check_bool(owner: str, field: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a bool."""
     if not isinstance(value, bool):
-        raise ValueError(f"BalancerConfig: {field}={value!r}, expected a bool")
+        raise ValueError(f"{owner}: {field}={value!r}, expected a bool")
+
+
+def check_interval(owner: str, field: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is an int >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}: {field}={value!r}, expected an int >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +84,10 @@ class BalancerConfig:
     (``PrefetchTrainPipelineSparseDist``, for cached embedding kernels)."""
 
     def __post_init__(self) -> None:
-        _check_bool("enable_balanced_shuffler", self.enable_balanced_shuffler)
-        _check_choice("comm", self.comm, _COMMS)
-        _check_choice("partition", self.partition, _PARTITIONS)
-        _check_bool("locality", self.locality)
-        if (
-            isinstance(self.log_interval, bool)
-            or not isinstance(self.log_interval, int)
-            or self.log_interval < 0
-        ):
-            raise ValueError(
-                f"BalancerConfig: log_interval={self.log_interval!r}, expected an int >= 0"
-            )
-        _check_choice("pipeline", self.pipeline, _PIPELINES)
+        me = "BalancerConfig"
+        check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
+        check_choice(me, "comm", self.comm, COMMS)
+        check_choice(me, "partition", self.partition, _PARTITIONS)
+        check_bool(me, "locality", self.locality)
+        check_interval(me, "log_interval", self.log_interval)
+        check_choice(me, "pipeline", self.pipeline, _PIPELINES)

@@ -39,44 +39,14 @@ from balancer._comm import Traffic
 from balancer._plan import Outcome, PartitionFn, partition_task, simple_lower_bound, wire_layout
 from balancer._stats import H_BATCH, H_FP, H_REAL, HEADER_LEN, Agreement, ShuffleStats
 from balancer.batch import BaseBatch
+from balancer.config import COMMS, check_bool, check_choice, check_interval
 from balancer.partition import balanced_partition, localize, lower_bound
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats", "ShufflerConfig"]
+__all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats"]
 
 _B = TypeVar("_B", bound=BaseBatch)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShufflerConfig:
-    """Settings of a :class:`BatchShuffler` (validated on construction)."""
-
-    comm: str = "all2all"
-    """``"all2all"``: send each sample that changes rank once (least traffic).
-    ``"allgather"``: gather every rank's batch everywhere, select locally."""
-
-    partition: PartitionFn = balanced_partition
-    """Partitioner: ``(workloads [N], W) -> W`` parts of ``N / W`` global indices;
-    must be deterministic (every rank runs it on identical input)."""
-
-    locality: bool = True
-    """Refine the partition with ``balancer.partition.localize`` so samples stay
-    home where that costs no balance (less traffic). ``False``: rank r gets part
-    r as the partitioner returns it."""
-
-    log_interval: int = 0
-    """Log :class:`ShuffleStats` on rank 0 every ``log_interval`` shuffles; 0: never."""
-
-    def __post_init__(self) -> None:
-        if self.comm not in ("all2all", "allgather"):
-            raise ValueError(f"comm={self.comm!r}, expected 'all2all' or 'allgather'")
-        if not callable(self.partition):
-            raise ValueError(f"partition={self.partition!r}, expected a callable")
-        if not isinstance(self.locality, bool):
-            raise ValueError(f"locality={self.locality!r}, expected a bool")
-        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) or self.log_interval < 0:
-            raise ValueError(f"log_interval={self.log_interval!r}, expected an int >= 0")
 
 
 @dataclasses.dataclass
@@ -243,10 +213,17 @@ class BatchShuffler(_ShufflerBase):
     Args:
         workload_fn: ``batch -> [batch_size]`` per-sample cost (integer, or
             floating and rounded); only real samples' costs are used.
-        comm: see :attr:`ShufflerConfig.comm`.
-        partition: see :attr:`ShufflerConfig.partition`.
-        locality: see :attr:`ShufflerConfig.locality`.
-        log_interval: see :attr:`ShufflerConfig.log_interval`.
+        comm: ``"all2all"`` sends each sample that changes rank once (least
+            traffic); ``"allgather"`` gathers every rank's batch everywhere and
+            selects locally.
+        partition: ``(workloads [N], num_parts) -> parts``, each part exactly
+            ``N / num_parts`` global indices; default
+            :func:`balancer.partition.balanced_partition`.
+        locality: refine the partition with :func:`balancer.partition.localize`
+            so samples stay on their rank where that costs no balance (less
+            traffic); ``False``: rank r gets part r as the partitioner returns it.
+        log_interval: log :class:`ShuffleStats` on rank 0 every
+            ``log_interval`` shuffles; 0: never.
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -258,7 +235,13 @@ class BatchShuffler(_ShufflerBase):
                  log_interval: int = 0) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
-        self.config = ShufflerConfig(comm, partition, locality, log_interval)
+        me = type(self).__name__
+        check_choice(me, "comm", comm, COMMS)
+        if not callable(partition):
+            raise ValueError(f"{me}: partition={partition!r}, expected a callable (workloads, num_parts) -> parts")
+        check_bool(me, "locality", locality)
+        check_interval(me, "log_interval", log_interval)
+        self.comm, self.partition, self.locality = comm, partition, locality
         super().__init__(workload_fn, log_interval)
         self._comm_name = comm
         self._agreed: dict[Any, Agreement] = {}
@@ -293,8 +276,8 @@ class BatchShuffler(_ShufflerBase):
             sizes[padding] = 0
             workloads, sizes = workloads.reshape(-1), sizes.reshape(-1)
             future = self._pool().submit(
-                partition_task, workloads, sizes, real, rank, self.config.partition,
-                localize if self.config.locality else None, lower_bound)
+                partition_task, workloads, sizes, real, rank, self.partition,
+                localize if self.locality else None, lower_bound)
         return self._register(ShuffleHandle(
             self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, real,
             agreed.fingerprint, future,
@@ -342,7 +325,7 @@ class BatchShuffler(_ShufflerBase):
             except CancelledError:
                 raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
             t_wait = perf_counter() - t_wait
-            if self.config.comm == "all2all":
+            if self.comm == "all2all":
                 out, traffic = _comm.redistribute_all2all(batch, layout, outcome.plan, group)
             else:
                 out, traffic = _comm.redistribute_allgather(batch, layout, outcome.plan, handle._real, group)

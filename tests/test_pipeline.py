@@ -276,7 +276,7 @@ def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture
         on = create_train_pipeline(
             model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True, comm="allgather")  # type: ignore[arg-type]
         )
-    assert isinstance(on.shuffler, BatchShuffler) and on.shuffler.config.comm == "allgather"
+    assert isinstance(on.shuffler, BatchShuffler) and on.shuffler.comm == "allgather"
     assert [r.message for r in caplog.records if "TokenCount over all features" in r.message]
     with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
         create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]

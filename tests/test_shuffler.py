@@ -478,7 +478,7 @@ def test_without_process_group_and_identity() -> None:
 
 
 def test_config_validation() -> None:
-    for kwargs, text in (({"comm": "nccl"}, "comm='nccl', expected 'all2all' or 'allgather'"),
+    for kwargs, text in (({"comm": "nccl"}, r"BatchShuffler: comm='nccl', expected one of \['all2all', 'allgather'\]"),
                          ({"log_interval": -1}, "log_interval=-1, expected an int >= 0"),
                          ({"locality": 1}, "locality=1, expected a bool"),
                          ({"partition": 3}, "partition=3, expected a callable")):
