@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -64,6 +65,12 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    try:
+        # A queue drops what it cannot pickle in its feeder thread, silently;
+        # pickle here so the parent gets an error instead of a timeout.
+        pickle.dumps(out)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out = WorkerError(rank, type(e).__name__, f"result is not picklable: {e}", traceback.format_exc())
     q.put((rank, out))
 
 

@@ -41,6 +41,15 @@ def test_failures_are_reported_per_rank() -> None:
         run_workers(_fail_on_rank1, 2)
 
 
+def _unpicklable(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_unpicklable_result_is_an_error() -> None:
+    outs = run_workers_outcomes(_unpicklable, 2, timeout=20)
+    assert all(isinstance(o, WorkerError) and "not picklable" in o.message for o in outs)
+
+
 def test_hang_becomes_timeout() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
         run_workers_outcomes(_hang_on_rank0, 2, timeout=3)
