@@ -317,7 +317,7 @@ class Calibration:
     """Result of :func:`fit_polynomial`: ``scale * time(L) ~ a L^2 + b L + c``.
 
     ``a, b, c`` are in cost units (time units times ``scale``); ``rmse`` is the
-    root-mean-square residual in time units; ``r2`` the coefficient of
+    root-mean-square (absolute) residual in time units; ``r2`` the coefficient of
     determination (1.0 when all times are equal and fitted exactly).
     """
 
@@ -343,7 +343,7 @@ def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_polynomial(
     lengths: Sequence[float] | np.ndarray, times: Sequence[float] | np.ndarray,
-    degree: int = 2, nonneg: bool = True, scale: float = 1e9,
+    degree: int = 2, nonneg: bool = True, scale: float = 1e9, relative: bool = True,
 ) -> Calibration:
     """Least-squares fit of ``a L^2 + b L + c`` to measured ``(L, time)`` pairs.
 
@@ -359,6 +359,13 @@ def fit_polynomial(
             length would mislead the balancer).
         scale: multiplies the coefficients so int64 costs keep resolution; the
             default turns seconds into nanoseconds.
+        relative: minimise relative residuals ``(fit - t) / t`` instead of
+            absolute ones. Calibration lengths usually span decades and timing
+            noise is roughly proportional to the time, so an absolute fit is
+            decided by the longest lengths alone and may drop the linear term
+            that dominates short sequences; those errors add up over the many
+            short samples of a batch. Zero times get the weight of the smallest
+            positive time.
 
     Returns:
         A :class:`Calibration`; ``.to_cost(names)`` gives the estimator.
@@ -380,21 +387,26 @@ def fit_polynomial(
         raise ValueError(f"scale={scale!r}, expected a finite float > 0")
     x = np.stack([lx**2, lx, np.ones_like(lx)], axis=1)[:, 2 - degree :]
     k = x.shape[1]
-    best, best_res = np.zeros(k), float(ty @ ty)
+    w = np.ones_like(ty)
+    if relative and (ty > 0).any():
+        w = 1.0 / np.maximum(ty, ty[ty > 0].min())
+    xw, tw = x * w[:, None], ty * w
+    best, best_res = np.zeros(k), float(tw @ tw)
     for mask in range(1, 2**k):
         cols = [i for i in range(k) if mask >> i & 1]
         sol = np.zeros(k)
-        sol[cols] = _lstsq(x[:, cols], ty)
+        sol[cols] = _lstsq(xw[:, cols], tw)
         if nonneg and (sol < 0).any():
             continue
-        res = float(np.sum((x @ sol - ty) ** 2))
+        res = float(np.sum((xw @ sol - tw) ** 2))
         if res < best_res:
             best, best_res = sol, res
     full = np.concatenate([np.zeros(3 - k), best])
+    abs_res = float(np.sum((x @ best - ty) ** 2))
     ss_tot = float(np.sum((ty - ty.mean()) ** 2))
-    r2 = 1.0 - best_res / ss_tot if ss_tot > 0 else 1.0
+    r2 = 1.0 - abs_res / ss_tot if ss_tot > 0 else 1.0
     a, b, c = (float(v) * scale for v in full)
-    return Calibration(a=a, b=b, c=c, rmse=math.sqrt(best_res / ty.size), r2=r2, scale=scale)
+    return Calibration(a=a, b=b, c=c, rmse=math.sqrt(abs_res / ty.size), r2=r2, scale=scale)
 
 
 def measure_times(

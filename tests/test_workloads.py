@@ -251,6 +251,23 @@ def test_fit_recovers_noisy_coefficients() -> None:
     assert cal.r2 > 0.99
 
 
+def test_relative_fit_keeps_short_lengths_accurate() -> None:
+    # Lengths over decades with multiplicative timing noise: the absolute fit is
+    # decided by the longest lengths and mispredicts short ones; the relative
+    # fit (default) stays within the noise everywhere.
+    rng = np.random.default_rng(1)
+    lengths = np.repeat(np.geomspace(8, 4096, 10).round(), 5)
+    clean = 30e-9 * lengths**2 + 4e-6 * lengths + 50e-6
+    noisy = clean * (1 + 0.05 * rng.standard_normal(lengths.size))
+    worst = {}
+    for relative in (False, True):
+        cal = fit_polynomial(lengths, noisy, relative=relative)
+        pred = (cal.a * lengths**2 + cal.b * lengths + cal.c) / cal.scale
+        worst[relative] = float(np.max(np.abs(pred / clean - 1)))
+    assert worst[True] < 0.1
+    assert worst[False] > 2 * worst[True]
+
+
 def kkt_holds(cal_coef: np.ndarray, x: np.ndarray, y: np.ndarray) -> bool:
     """NNLS optimality: gradient 0 on positive coefficients, >= 0 on zero ones."""
     grad = x.T @ (x @ cal_coef - y) / np.linalg.norm(x, axis=0) / np.linalg.norm(y)
@@ -262,11 +279,13 @@ def test_fit_nonneg_when_data_suggests_negative() -> None:
     times = LENGTHS**2 - 800.0 * LENGTHS + 2e5  # unconstrained b = -800
     free = fit_polynomial(LENGTHS, times, nonneg=False, scale=1.0)
     assert free.b == pytest.approx(-800.0, rel=1e-6)
-    cal = fit_polynomial(LENGTHS, times, scale=1.0)
-    coef = np.array([cal.a, cal.b, cal.c])
-    assert (coef >= 0).all() and cal.b == 0.0
     x = np.stack([LENGTHS**2, LENGTHS, np.ones_like(LENGTHS)], axis=1)
-    assert kkt_holds(coef, x, times)
+    for relative in (False, True):
+        cal = fit_polynomial(LENGTHS, times, scale=1.0, relative=relative)
+        coef = np.array([cal.a, cal.b, cal.c])
+        assert (coef >= 0).all() and cal.b == 0.0
+        w = 1.0 / times if relative else np.ones_like(times)
+        assert kkt_holds(coef, x * w[:, None], times * w)
     # Costs from it stay non-negative and non-decreasing.
     out = cal.to_cost(["s"])(make_batch({"s": [0, 10, 100, 1000]})).tolist()
     assert out == sorted(out) and out[0] >= 0
