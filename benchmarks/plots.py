@@ -1,0 +1,121 @@
+"""PNG plots for docs/benchmarks.md from the benchmarks' JSON lines.
+
+Run after the benchmarks (needs the ``bench`` extra, matplotlib)::
+
+    .venv/bin/python benchmarks/plots.py --e2e bench_out/e2e.jsonl \\
+        --shuffle bench_out/shuffle.jsonl --out docs/img
+
+Writes ``e2e_loads.png`` (per-rank load before/after for one step),
+``e2e_speedup_vs_skew.png`` (projected and measured speedup against the
+imbalance before balancing) and ``shuffle_bytes.png`` (bytes each rank sends
+per shuffle, both paths). ``bench_partition.py --plot`` draws the partition
+time plot itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def plot_loads(rows: list[dict[str, Any]], out: Path) -> None:
+    cands = [r for r in rows if r.get("bench") == "e2e" and "sample_loads" in r]
+    if not cands:
+        return
+    r = max(cands, key=lambda r: (r["world"], r["dist"] == "zipf", r["batch_size"]))
+    before, after = r["sample_loads"]["before"], r["sample_loads"]["after"]
+    scale = max(before)
+    w = len(before)
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    xs = range(w)
+    ax.bar([x - 0.2 for x in xs], [v / scale for v in before], 0.4, label="before (as loaded)")
+    ax.bar([x + 0.2 for x in xs], [v / scale for v in after], 0.4, label="after balancer")
+    ax.axhline(sum(before) / w / scale, color="k", lw=0.8, ls="--", label="mean")
+    ax.set_xticks(list(xs), [f"rank {i}" for i in xs])
+    ax.set_ylabel("estimated load / max before")
+    ax.set_title(f"Per-rank workload, one step (W={w}, {r['dist']}, B={r['batch_size']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_loads.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_speedup_vs_skew(rows: list[dict[str, Any]], out: Path) -> None:
+    sweep = [r for r in rows if r.get("bench") == "e2e_skew"]
+    meas = [r for r in rows if r.get("bench") == "e2e"]
+    if not sweep and not meas:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for world in sorted({r["world"] for r in sweep}):
+        pts = sorted((r["imbalance_before"], r["projected_speedup"]) for r in sweep if r["world"] == world)
+        ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=f"projected, W={world}")
+    for world in sorted({r["world"] for r in meas}):
+        pts = [(r["off_straggler"], r["speedup"]) for r in meas if r["world"] == world]
+        ax.scatter(*zip(*pts, strict=True), marker="x", s=40, zorder=3, label=f"measured, W={world}")
+    lim = max([p["imbalance_before"] for p in sweep] + [p["off_straggler"] for p in meas] + [1.1])
+    ax.plot([1, lim], [1, lim], color="grey", lw=0.8, ls=":", label="speedup = max/mean")
+    ax.set_xlabel("max/mean per-rank compute before balancing")
+    ax.set_ylabel("step-time speedup")
+    ax.set_title("Speedup against skew (zipf lengths, B=64 projected)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "e2e_speedup_vs_skew.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_shuffle_bytes(rows: list[dict[str, Any]], out: Path) -> None:
+    res = [r for r in rows if r.get("kind") == "result" and r.get("dist") == "zipf"]
+    if not res:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    for ax, world in zip(axes, (2, 4), strict=False):
+        sub = [r for r in res if r["world_size"] == world]
+        for (comm, loc), label in (
+            (("allgather", True), "AllGather"),
+            (("all2all", False), "All2All, placement-blind"),
+            (("all2all", True), "All2All + locality"),
+        ):
+            pts = sorted((r["batch_size"], r["bytes_per_rank"] / 1e3) for r in sub
+                         if r["comm"] == comm and r["locality"] == loc)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size per rank")
+        ax.set_title(f"W={world}, zipf lengths")
+    axes[0].set_ylabel("KB sent per rank per shuffle")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "shuffle_bytes.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--e2e", default="bench_out/e2e.jsonl")
+    ap.add_argument("--shuffle", default="bench_out/shuffle.jsonl")
+    ap.add_argument("--out", default="docs/img")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    e2e = read(a.e2e)
+    plot_loads(e2e, out)
+    plot_speedup_vs_skew(e2e, out)
+    plot_shuffle_bytes(read(a.shuffle), out)
+    print(f"plots in {out}")
+
+
+if __name__ == "__main__":
+    main()
