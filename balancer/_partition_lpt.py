@@ -100,10 +100,15 @@ def lpt_rows(vals: np.ndarray, num_parts: int) -> np.ndarray:
         sorted_loads = loads[order]
         m = int(np.searchsorted(sorted_loads, sorted_loads[0] + x0, side="left"))
         # In the tail items are tiny next to the spread of the loads and exact
-        # LPT would serve one part at a time; serving at least a quarter of the
-        # open parts bounds the step count at ~4 B while the heavy parts (the
-        # top of the order) still wait for the end.
-        m = min(max(m, 1, order.size // 4), pos)
+        # LPT would serve one part at a time. Serving at least a quarter of the
+        # open parts bounds the step count at ~4 B -- but only parts in the
+        # lighter half of the load range, so the heavy parts (which must get
+        # the smallest items at the end) keep waiting.
+        k = order.size // 4
+        if m < k:
+            mid = sorted_loads[0] + (sorted_loads[order.size // 2] - sorted_loads[0]) / 2
+            m = max(m, min(k, int(np.searchsorted(sorted_loads, mid, side="right"))))
+        m = min(max(m, 1), pos)
         take = order[:m]
         counts[take] += 1
         rows[take, cap - counts[take]] = np.arange(pos - 1, pos - m - 1, -1)

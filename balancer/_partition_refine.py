@@ -2,12 +2,14 @@
 
 A partition is held as ``rows`` [W, B]: sorted positions (ranks into the
 ascending value array), each row ascending, so ``vals[rows]`` is sorted per row.
-Every step takes the heaviest part ``p`` and, among the ``K`` lightest parts,
-the swap ``a in p <-> b in q`` whose transfer ``d = a - b`` is closest to half
-the gap ``D = L_p - L_q``: the pair's new maximum is ``(L_p + L_q + |2d - D|)/2``,
+Every step takes the heaviest part ``p`` and, among the ``K`` lightest, the
+``K`` heaviest other parts and the owners of the smallest items (all parts
+when that is cheap), the swap
+``a in p <-> b in q`` whose transfer ``d = a - b`` is closest to half the gap
+``D = L_p - L_q``: the pair's new maximum is ``(L_p + L_q + |2d - D|)/2``,
 an improvement iff ``|2d - D| < D``. Targets ``2b + D`` are looked up in the
-sorted row of ``p`` with one ``searchsorted`` for all ``K * B`` candidates, so a
-step is ~10 numpy calls on ``K * B`` elements. Swaps keep every part at exactly
+sorted row of ``p`` with one ``searchsorted`` for all ``~3K * B`` candidates,
+so a step is ~15 numpy calls on ``~3K * B`` elements. Swaps keep every part at exactly
 ``B`` items and never raise the maximum.
 
 When no single swap helps (e.g. lengths are integers and ``L^2 + 1024 L``
@@ -23,7 +25,8 @@ import numpy as np
 __all__ = ["polish", "polish_pairs", "sort_order", "swap_rounds"]
 
 _PARTNERS = 8
-_BUDGET = 8192  # candidate swaps (partner items) searched per part and step
+_BUDGET = 8192  # polish: partner items searched per step (all parts below this)
+_ROUND_BUDGET = 2048  # swap_rounds: partner items searched per heavy part
 
 
 def sort_order(x: np.ndarray) -> np.ndarray:
@@ -52,13 +55,18 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     w, b = rows.shape
     if w < 2 or b == 0:
         return 0
-    k = min(w - 1, _PARTNERS)
     big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
     steps = 0
-    # True: search all parts (always when that is small, else after the K
-    # lightest had no swap).
-    always_full = (w - 1) * b <= _BUDGET
-    full = always_full
+    # Partners: the K lightest (most room), the K heaviest others (a heavy
+    # part's best trade is often with another heavy part holding smaller
+    # fillers) and the owners of the K smallest items (what a part topped up
+    # with small fillers can still trade down to); all parts when that is
+    # cheap or when those had no swap.
+    few = w - 1 > 3 * _PARTNERS and (w - 1) * b > _BUDGET
+    full = not few
+    owner = np.empty(rows.size, np.int64)
+    if few:
+        owner[rows] = np.arange(w)[:, None]
     while steps < max_steps:
         p = int(np.argmax(loads))
         lp = loads[p]
@@ -67,7 +75,9 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         if full:
             cand = np.delete(np.arange(w), p)
         else:
-            cand = np.argsort(loads, kind="stable")[:k] if k < w - 1 else np.delete(np.arange(w), p)
+            order = np.argsort(loads, kind="stable")
+            cand = np.unique(np.concatenate(
+                [order[:_PARTNERS], order[-_PARTNERS - 1 : -1], owner[: 2 * _PARTNERS]]))
         a2 = 2 * vals[rows[p]]  # ascending
         vq = vals[rows[cand]]  # [K, B]
         gap = lp - loads[cand]  # [K], > 0 unless tied with the max
@@ -86,7 +96,7 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                 break
             full = True
             continue
-        full = always_full
+        full = not few
         q = int(cand[qi])
         ia = int(lo[qi, jb] if use_lo[qi, jb] else hi[qi, jb])
         ra, rb = rows[p, ia], rows[q, jb]
@@ -94,6 +104,7 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         rows[p, ia], rows[q, jb] = rb, ra
         rows[p].sort()
         rows[q].sort()
+        owner[ra], owner[rb] = q, p
         loads[p] -= d
         loads[q] += d
         steps += 1
@@ -136,8 +147,11 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     The ``m`` parts above target (at most ``W // 2``), heaviest first, meet the
     ``m`` lightest parts: heavy ``i`` looks at light ``(i + s) mod m`` for
     ``s < partners`` and picks its best single swap. A light part chosen by
-    several heavy ones serves the heaviest. One round is ~20 numpy calls on
-    ``m * partners * B`` elements and fixes up to ``m`` parts.
+    several heavy ones serves the heaviest. Every other round pairs the heavy
+    parts among themselves instead (heaviest with least heavy), which is what
+    parts sharing one huge item each need to even out their fillers. One round
+    is ~25 numpy calls on ``m * partners * B`` elements and fixes up to ``m``
+    parts; two rounds in a row without a swap end it.
 
     Returns:
         The number of swaps made.
@@ -145,20 +159,31 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     w, b = rows.shape
     total = 0
     big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
-    for _ in range(max_rounds):
+    idle = 0  # consecutive rounds without a swap
+    for rnd in range(max_rounds):
         order = np.argsort(loads, kind="stable")
         m = min(int(np.count_nonzero(loads > target)), w // 2)
-        if m == 0:
+        if m == 0 or idle == 2:
             break
-        heavy = order[::-1][:m]
-        light = order[:m]
-        s = max(1, min(partners, m, _BUDGET // (m * b)))
-        part = light[(np.arange(m)[:, None] + np.arange(s)[None, :]) % m]  # [m, s]
+        top = order[::-1][:m]
+        if rnd % 2 == 0 or m < 2:
+            # Heavy parts against the m lightest, `s` partners each.
+            heavy = top
+            s = max(1, min(partners, m, _ROUND_BUDGET // (m * b)))
+            part = order[:m][(np.arange(m)[:, None] + np.arange(s)[None, :]) % m]  # [m, s]
+        else:
+            # Heavy parts among themselves (heaviest with least heavy): parts
+            # that all hold one huge item balance their fillers this way.
+            half = m // 2
+            heavy = top[:half]
+            s = 1
+            part = top[::-1][:half, None]
+        m = heavy.size
         gap = loads[heavy][:, None] - loads[part]  # [m, s]
         a2 = 2 * vals[rows[heavy]]  # [m, B]
         want = (2 * vals[rows[part]] + gap[:, :, None]).reshape(m, s * b)
         # Keys and queries are >= 0 and below 2 max(vals) + max(gap) + 1.
-        span = int(2 * vals[-1] + (loads[heavy[0]] - loads[light[0]])) + 1 \
+        span = int(2 * vals[-1] + (loads[heavy[0]] - loads[order[0]])) + 1 \
             if vals.dtype.kind == "i" else None
         hi = np.minimum(_search_rows(a2, want, span), b - 1)
         lo = np.maximum(hi - 1, 0)
@@ -174,8 +199,9 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
         ok = score.reshape(m, s * b)[hs, best] != big
         hs, best = hs[ok], best[ok]
         if hs.size == 0:
-            break
-        last = hs.size
+            idle += 1
+            continue
+        idle = 0
         si, jb = np.divmod(best, b)
         q = part[hs, si]
         # One swap per light part: the heaviest claimant (smallest hs) wins.
@@ -196,8 +222,6 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
         loads[h] -= d
         loads[q] += d
         total += int(h.size)
-        if h.size * 8 < m or last * 8 < m:
-            break  # few parts fixed: single swaps (polish) are cheaper now
     return total
 
 
@@ -257,3 +281,4 @@ def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: 
         loads[q] += d
         steps += 1
     return steps
+

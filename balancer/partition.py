@@ -66,7 +66,8 @@ __all__ = [
 # Total workload must stay below this so that doubled sums never overflow int64.
 _MAX_TOTAL = 1 << 61
 _ROUNDS = 8  # parallel swap rounds before the single-swap polish
-_PAIR_STEPS = 8  # two-for-two swaps when single swaps are stuck above target
+_PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
+_PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 
 
 def _check_num_parts(num_parts: int) -> None:
@@ -281,7 +282,7 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
         if loads.max() > target:
             swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b))
             polish(v, rows, loads, target, 4 * w + 32)
-        if loads.max() > target:
+        if loads.max() > target and w <= _PAIR_MAX_PARTS:
             polish_pairs(v, rows, loads, target, _PAIR_STEPS)
         parts = _to_lists(order, rows)
     if home is not None:
