@@ -314,6 +314,7 @@ class Outcome:
     plan: RankPlan
     lower_bound: float
     seconds: float
+    moves: bool  # some real sample changes rank (the same on every rank)
 
 
 def simple_lower_bound(workloads: np.ndarray, num_parts: int) -> float:
@@ -360,4 +361,26 @@ def partition_task(workloads: np.ndarray, sizes: np.ndarray, real: np.ndarray, r
         dest = destinations(parts, workloads.size)
         plan = plan_rank(dest, b, real, rank)
         lb = float(bound(workloads, w))
-        return Outcome(dest, plan, lb, perf_counter() - t0)
+        home = np.arange(workloads.size, dtype=np.int64) // b
+        is_real = (np.arange(workloads.size) % b) < np.repeat(real, b)
+        moves = bool(((dest != home) & is_real).any())
+        return Outcome(dest, plan, lb, perf_counter() - t0, moves)
+
+
+# Leaves room so that sums of partition loads (and doubled sums inside the
+# partitioner, which accepts totals below 2**61) never overflow int64.
+_MAX_TOTAL = 1 << 60
+
+
+def fit_total(workloads: np.ndarray) -> np.ndarray:
+    """Workloads scaled down by a power of two so their total is below 2**60.
+
+    Balancing depends only on ratios, so a right shift (which keeps order and
+    zeros) changes nothing but the resolution of huge costs, e.g. a few
+    saturated ``MAX_COST`` samples. Returns ``workloads`` itself when it fits.
+    """
+    total = float(workloads.sum(dtype=np.float64))
+    if total < _MAX_TOTAL:
+        return workloads
+    shift = int(np.ceil(np.log2(total / _MAX_TOTAL))) + 1
+    return np.right_shift(workloads, shift)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from balancer._comm import Traffic
 from balancer._plan import sample_bytes, wire_layout
 from balancer.batch import BaseBatch
+from balancer.workloads import MAX_COST
 
 __all__ = [
     "HEADER_LEN", "Agreement", "LocalInput", "ShuffleStats", "Status", "Verdict", "build_stats",
@@ -207,7 +208,10 @@ def local_input(batch: Any, workload_fn: Callable[[Any], Any], rank: int, pg: An
     local.flags = torch.stack([status, first])
     clean = torch.where(bad, torch.zeros_like(w), w)
     local.workloads = torch.zeros(b, dtype=torch.int64, device=batch.device)
-    local.workloads[:real] = clean.round().long() if clean.is_floating_point() else clean.long()
+    # float -> int64 of a value >= 2**63 is undefined: clamp like the estimators do.
+    local.workloads[:real] = (
+        clean.round().clamp(0.0, float(MAX_COST)).long() if clean.is_floating_point() else clean.long()
+    )
     local.sizes = sample_bytes(batch, layout)
     return local
 

@@ -36,7 +36,14 @@ from torch.profiler import record_function
 
 from balancer import _comm, _stats
 from balancer._comm import Traffic
-from balancer._plan import Outcome, PartitionFn, partition_task, simple_lower_bound, wire_layout
+from balancer._plan import (
+    Outcome,
+    PartitionFn,
+    fit_total,
+    partition_task,
+    simple_lower_bound,
+    wire_layout,
+)
 from balancer._stats import H_BATCH, H_FP, H_REAL, HEADER_LEN, Agreement, ShuffleStats
 from balancer.batch import BaseBatch
 from balancer.config import COMMS, check_bool, check_choice, check_interval
@@ -137,8 +144,8 @@ class _ShufflerBase:
         self._next_seq += 1
         return handle
 
-    def _claim(self, handle: ShuffleHandle) -> None:
-        """Check that ``handle`` may finish now and mark it finished.
+    def _claim(self, handle: ShuffleHandle, mark: bool = True) -> None:
+        """Check that ``handle`` may finish now and (with ``mark``) mark it finished.
 
         Every check depends only on calls every rank makes alike (never on
         whether the partition thread got to a handle), so all ranks agree.
@@ -154,8 +161,9 @@ class _ShufflerBase:
                 f"finish_shuffle got handle #{handle.seq} while handle(s) #{earlier} started "
                 "earlier are unfinished; finish handles in the order they were started"
             )
-        handle._state.finished = True
-        self._pending.pop(handle.seq, None)
+        if mark:
+            handle._state.finished = True
+            self._pending.pop(handle.seq, None)
 
     def _local_handle(self, batch: Any, t0: float) -> ShuffleHandle:
         """A handle for a shuffle that communicates nothing (W == 1, identity)."""
@@ -274,7 +282,7 @@ class BatchShuffler(_ShufflerBase):
             padding = np.arange(b)[None, :] >= real[:, None]
             workloads[padding] = 0
             sizes[padding] = 0
-            workloads, sizes = workloads.reshape(-1), sizes.reshape(-1)
+            workloads, sizes = fit_total(workloads.reshape(-1)), sizes.reshape(-1)
             future = self._pool().submit(
                 partition_task, workloads, sizes, real, rank, self.partition,
                 localize if self.locality else None, lower_bound)
@@ -305,7 +313,7 @@ class BatchShuffler(_ShufflerBase):
                 the started one -- a programming error raised on this rank only,
                 before any collective (the other ranks then wait in phase 2).
         """
-        self._claim(handle)
+        self._claim(handle, mark=handle._future is None)
         t0 = perf_counter()
         if handle._future is None:
             self._record(handle, None, Traffic(), perf_counter() - t0)
@@ -319,13 +327,21 @@ class BatchShuffler(_ShufflerBase):
             if layout.fingerprint != handle._fingerprint or batch.actual_batch_size != handle._real[rank]:
                 raise ValueError(f"finish_shuffle: batch (actual_batch_size={batch.actual_batch_size}) "
                                  f"is not the batch handle #{handle.seq} was started with")
+            # Rank-local checks passed: only now is the handle used up, so a
+            # caller that passed the wrong batch can retry with the right one.
+            self._claim(handle)
             t_wait = perf_counter()
             try:
                 outcome = handle._future.result()
             except CancelledError:
                 raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
             t_wait = perf_counter() - t_wait
-            if self.comm == "all2all":
+            if not outcome.moves:
+                # Every rank knows nothing moves (same partition everywhere), so
+                # all skip phase 2's collectives alike; the batch already is
+                # its output (real samples in order, then padding).
+                out, traffic = batch, Traffic()
+            elif self.comm == "all2all":
                 out, traffic = _comm.redistribute_all2all(batch, layout, outcome.plan, group)
             else:
                 out, traffic = _comm.redistribute_allgather(batch, layout, outcome.plan, handle._real, group)

@@ -537,3 +537,59 @@ def test_cuda_single_rank() -> None:
     h = s.start_shuffle_async(batch)
     assert s.finish_shuffle(batch, h) is batch
     assert h.stats.load_before == [int(token_count(batch)[:4].sum())]
+
+
+# ------------------------------------------------------------- edge cases
+def _edge_worker(rank: int, w: int) -> dict[str, Any]:
+    from balancer.workloads import PolynomialCost
+
+    out: dict[str, Any] = {}
+    # Saturated estimator costs (MAX_COST each) and huge float costs: their
+    # total exceeds int64, so the shuffler scales them; nothing is lost.
+    saturated = PolynomialCost(KEYS, a=1e30)
+    huge_float = lambda b: token_count(b).double() * 1e30  # noqa: E731
+    for name, fn in (("saturated", saturated), ("float", huge_float)):
+        s = BatchShuffler(fn)
+        batch = make_batch(rank, 8, 6 - rank, seed=5)
+        shuffled = s.shuffle(batch)
+        out[name] = ([r for r in rows(batch)[: batch.actual_batch_size]],
+                     [r for r in rows(shuffled)[: shuffled.actual_batch_size]],
+                     shuffled.batch_size)
+        s.close()
+    # A rank-local mistake in finish_shuffle leaves the handle usable.
+    s = BatchShuffler(token_count)
+    batch = make_batch(rank, 6, 6, seed=7)
+    h = s.start_shuffle_async(batch)
+    if rank == 0:
+        try:
+            s.finish_shuffle(make_batch(rank, 6, 4, seed=7), h)
+        except ValueError as e:
+            out["wrong_batch"] = str(e)
+    out["retry"] = s.finish_shuffle(batch, h).batch_size
+    # Equal workloads on full batches: nothing moves, so phase 2 issues no
+    # collective at all.
+    flat = BatchShuffler(lambda b: torch.ones(b.batch_size, dtype=torch.int64))
+    batch = make_batch(rank, 6, 6, seed=9)
+    h = flat.start_shuffle_async(batch)
+    saved = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single", "all_gather_into_tensor")
+             if hasattr(dist, n)}
+    _forbid_collectives(dist)
+    try:
+        res = flat.finish_shuffle(batch, h)
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    out["still"] = (res is batch, h.stats.bytes_sent, h.stats.samples_sent)
+    return out
+
+
+def test_saturated_workloads_retry_and_nothing_moves() -> None:
+    outs = run_workers(_edge_worker, 2)
+    for name in ("saturated", "float"):
+        before = Counter(r for o in outs for r in o[name][0])
+        after = Counter(r for o in outs for r in o[name][1])
+        assert before == after and sum(before.values()) == 6 + 5, name
+        assert all(o[name][2] == 8 for o in outs)
+    assert "is not the batch handle #0 was started with" in outs[0]["wrong_batch"]
+    assert [o["retry"] for o in outs] == [6, 6]
+    assert [o["still"] for o in outs] == [(True, 0, 0), (True, 0, 0)]
