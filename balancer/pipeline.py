@@ -83,7 +83,10 @@ class _PendingShuffle:
 
 def _stream_ctx(stream: torch.Stream | None) -> contextlib.AbstractContextManager[Any]:
     # On CPU the pipeline has no streams (None): run on the caller's "stream".
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()  # type: ignore[arg-type]
+    if stream is None:
+        return contextlib.nullcontext()
+    # The device's own module (torch.cuda, torch.mtia, ...), as TorchRec does.
+    return torch.get_device_module(stream.device).stream(stream)  # type: ignore[no-any-return]
 
 
 class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
