@@ -10,25 +10,32 @@ Pipeline of :func:`balanced_partition` (``x`` = workloads):
 2. greedy LPT with a cardinality cap (largest item to the lightest part that
    still has room) -- heavy parts wait and get the smallest items at the end;
    on the benchmark suite it starts within ~2e-4 of :func:`lower_bound`, where
-   equal-size Karmarkar-Karp starts 5-40 % above it on heavy tails; if LPT is
+   equal-size Karmarkar-Karp starts 5-48 % above it on heavy tails; if LPT is
    not already within ``rtol``, equal-size KK is tried too (abandoned when its
    first round shows the single-merge chain of heavy tails) and the better
    start is kept -- on smooth inputs KK starts ~10x closer;
 3. swap refinement: parallel rounds in which every part above the target
-   trades one item with a light part, then single best swaps for the heaviest
-   part until it is within ``rtol`` of :func:`lower_bound` (or stuck);
+   trades one item with a light part (or, every other round, with another
+   heavy part), then single best swaps for the heaviest part until it is
+   within ``rtol`` of :func:`lower_bound`, then (few parts) two-for-two swaps;
 4. optionally :func:`localize`: choose which part each rank gets, and trade
    items so that samples stay on their home rank without raising the max.
 
 Threads and the GIL: the shuffler runs this in a background thread while the
-main thread launches GPU work. Numpy releases the GIL inside sorts, searches
-and large element-wise calls; when the main thread holds the GIL in pure Python
-the worker then waits up to ``sys.getswitchinterval()`` (5 ms) to get it back,
-once per such call. The design keeps the number of numpy calls small and
-independent of ``N`` where it can (one sort, one LPT step per served row,
-O(10) refinement rounds of ~20 calls each) and keeps each call large;
-``benchmarks/bench_partition.py`` measures the main-thread slowdown and the
-partition latency under a Python-bound and a torch-op-bound main thread.
+main thread launches GPU work. Numpy releases the GIL inside sorts, searches,
+``argmin`` and element-wise calls on > 500 elements; a thread that wants it
+back waits up to ``sys.getswitchinterval()`` (5 ms). With libtorch loaded the
+main thread wins nearly every such hand-off, so when it is busy in pure Python
+each of those calls costs the partition ~5 ms (2 ms becomes ~50 ms at
+64x128); when it is busy with torch ops (which release the GIL at dispatch)
+the partition runs at ~2x its standalone time and the main thread loses
+~5-8 % of a 50 ms step. Pure Python would avoid the waits but hold the GIL
+throughout. The way out is :class:`PartitionWorker`: the same partition in a
+child process (numpy only); ``submit`` on the main thread and ``wait`` later
+costs the main thread < 1 % and the partition ~1.3x its standalone time under
+both kinds of main thread. Within this module the numpy work is kept to few,
+large calls (one sort, one LPT step per served row, ~25 calls per refinement
+round). Numbers: ``docs/benchmarks_partition.md``.
 
 All functions are deterministic: the same input gives the same output on every
 rank and process (stable sorts or tie-free keys everywhere).
