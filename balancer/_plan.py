@@ -355,16 +355,25 @@ def partition_task(workloads: np.ndarray, sizes: np.ndarray, real: np.ndarray, r
                 parts = local
             else:
                 logger.warning("localize raised the max load; keeping the partition as returned")
-        stay = [np.arange(r * b, (r + 1) * b, dtype=np.int64) for r in range(w)]
-        if _max_load(parts, workloads) > _max_load(stay, workloads):
-            parts = stay  # never worsen the max load: then nothing moves
-        dest = destinations(parts, workloads.size)
-        plan = plan_rank(dest, b, real, rank)
-        lb = float(bound(workloads, w))
-        home = np.arange(workloads.size, dtype=np.int64) // b
-        is_real = (np.arange(workloads.size) % b) < np.repeat(real, b)
-        moves = bool(((dest != home) & is_real).any())
-        return Outcome(dest, plan, lb, perf_counter() - t0, moves)
+        return plan_outcome(parts, workloads, real, rank, bound, t0)
+
+
+def plan_outcome(parts: list[np.ndarray], workloads: np.ndarray, real: np.ndarray, rank: int,
+                 bound: Callable[[np.ndarray, int], float], t0: float) -> Outcome:
+    """From validated parts to ``rank``'s phase-2 plan: the never-worse guard,
+    destinations, the plan, the lower bound; ``t0`` is when partitioning began."""
+    w = real.size
+    b = workloads.size // w
+    stay = [np.arange(r * b, (r + 1) * b, dtype=np.int64) for r in range(w)]
+    if _max_load(parts, workloads) > _max_load(stay, workloads):
+        parts = stay  # never worsen the max load: then nothing moves
+    dest = destinations(parts, workloads.size)
+    plan = plan_rank(dest, b, real, rank)
+    lb = float(bound(workloads, w))
+    home = np.arange(workloads.size, dtype=np.int64) // b
+    is_real = (np.arange(workloads.size) % b) < np.repeat(real, b)
+    moves = bool(((dest != home) & is_real).any())
+    return Outcome(dest, plan, lb, perf_counter() - t0, moves)
 
 
 # Leaves room so that sums of partition loads (and doubled sums inside the

@@ -12,6 +12,7 @@ import dataclasses
 __all__ = ["BalancerConfig"]
 
 COMMS = ("all2all", "allgather")
+EXECUTORS = ("auto", "process", "thread")
 _PARTITIONS = ("balanced", "karmarkar_karp")
 _PIPELINES = ("sparse_dist", "prefetch")
 
@@ -85,6 +86,13 @@ class BalancerConfig:
     (``TrainPipelineSparseDist``) or ``"prefetch"``
     (``PrefetchTrainPipelineSparseDist``, for cached embedding kernels)."""
 
+    executor: str = "auto"
+    """Where the partition runs while the training step goes on: ``"process"``
+    (a torch-free child process per rank; never contends for the GIL; serves
+    ``partition="balanced"`` only), ``"thread"`` (a background thread; slowed
+    by a Python-busy main thread), or ``"auto"``: ``"process"`` for
+    ``"balanced"``, else ``"thread"``. See ``BatchShuffler``."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -92,4 +100,5 @@ class BalancerConfig:
         check_choice(me, "partition", self.partition, _PARTITIONS)
         check_bool(me, "locality", self.locality)
         check_interval(me, "log_interval", self.log_interval)
+        check_choice(me, "executor", self.executor, EXECUTORS)
         check_choice(me, "pipeline", self.pipeline, _PIPELINES)

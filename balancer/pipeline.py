@@ -347,6 +347,7 @@ def create_train_pipeline(
             partition=_PARTITIONS[config.partition],
             locality=config.locality,
             log_interval=config.log_interval,
+            executor=config.executor,
         )
     else:
         shuffler = IdentityBatchShuffler()

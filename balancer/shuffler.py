@@ -41,13 +41,15 @@ from balancer._plan import (
     PartitionFn,
     fit_total,
     partition_task,
+    plan_outcome,
     simple_lower_bound,
+    validate_partition,
     wire_layout,
 )
 from balancer._stats import H_BATCH, H_FP, H_REAL, HEADER_LEN, Agreement, ShuffleStats
 from balancer.batch import BaseBatch
-from balancer.config import COMMS, check_bool, check_choice, check_interval
-from balancer.partition import balanced_partition, localize, lower_bound
+from balancer.config import COMMS, EXECUTORS, check_bool, check_choice, check_interval
+from balancer.partition import PartitionWorker, balanced_partition, localize, lower_bound
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +206,33 @@ class _ShufflerBase:
             logger.info("%s", _stats.format_stats(stats))
 
 
+class _ChildPartition:
+    """A partition running in the child process, with the ``Future`` methods
+    the handle uses. ``result`` collects the parts (the calling thread sleeps
+    in a pipe read, without the GIL) and plans this rank's phase 2."""
+
+    def __init__(self, worker: PartitionWorker, workloads: np.ndarray, sizes: np.ndarray,
+                 real: np.ndarray, rank: int, locality: bool) -> None:
+        self._t0 = perf_counter()
+        w = real.size
+        home = np.arange(workloads.size, dtype=np.int64) // (workloads.size // w) if locality else None
+        self._pending = worker.submit(workloads, w, home, sizes if locality else None)
+        self._args = (workloads, real, rank)
+        self._outcome: Outcome | None = None
+
+    def done(self) -> bool:
+        return self._outcome is not None or self._pending.ready()
+
+    def result(self) -> Outcome:
+        if self._outcome is None:
+            workloads, real, rank = self._args
+            w = real.size
+            with record_function("## balancer.shuffle.partition ##"):
+                parts = validate_partition(self._pending.wait(), w, workloads.size // w)
+                self._outcome = plan_outcome(parts, workloads, real, rank, lower_bound, self._t0)
+        return self._outcome
+
+
 class BatchShuffler(_ShufflerBase):
     """Balances per-rank workload by moving samples between data-parallel ranks.
 
@@ -232,6 +261,15 @@ class BatchShuffler(_ShufflerBase):
             traffic); ``False``: rank r gets part r as the partitioner returns it.
         log_interval: log :class:`ShuffleStats` on rank 0 every
             ``log_interval`` shuffles; 0: never.
+        executor: where the partition runs while the caller works.
+            ``"auto"`` (default): ``"process"`` for ``balanced_partition``,
+            else ``"thread"``. ``"process"``: ``balanced_partition`` (+ ``localize``) in
+            a torch-free child process (:class:`balancer.partition.PartitionWorker`,
+            started on first use, ~0.2 s), so it never competes with the
+            training loop for the GIL. ``"thread"``: any ``partition`` in a
+            background thread; numpy calls in it wait for the GIL behind a
+            Python-busy main thread (measured: a 2 ms partition took 50 ms,
+            see docs/benchmarks.md).
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -240,7 +278,7 @@ class BatchShuffler(_ShufflerBase):
     def __init__(self, workload_fn: Callable[[Any], Any], *,
                  comm: str = "all2all",
                  partition: PartitionFn = balanced_partition, locality: bool = True,
-                 log_interval: int = 0) -> None:
+                 log_interval: int = 0, executor: str = "auto") -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         me = type(self).__name__
@@ -249,7 +287,16 @@ class BatchShuffler(_ShufflerBase):
             raise ValueError(f"{me}: partition={partition!r}, expected a callable (workloads, num_parts) -> parts")
         check_bool(me, "locality", locality)
         check_interval(me, "log_interval", log_interval)
-        self.comm, self.partition, self.locality = comm, partition, locality
+        check_choice(me, "executor", executor, EXECUTORS)
+        if executor == "auto":
+            executor = "process" if partition is balanced_partition else "thread"
+        if executor == "process" and partition is not balanced_partition:
+            raise ValueError(
+                f"{me}: executor='process' runs balanced_partition in a child process; "
+                f"partition={getattr(partition, '__name__', partition)!r} needs executor='thread'"
+            )
+        self.comm, self.partition, self.locality, self.executor = comm, partition, locality, executor
+        self._worker: PartitionWorker | None = None
         super().__init__(workload_fn, log_interval)
         self._comm_name = comm
         self._agreed: dict[Any, Agreement] = {}
@@ -283,9 +330,13 @@ class BatchShuffler(_ShufflerBase):
             workloads[padding] = 0
             sizes[padding] = 0
             workloads, sizes = fit_total(workloads.reshape(-1)), sizes.reshape(-1)
-            future = self._pool().submit(
-                partition_task, workloads, sizes, real, rank, self.partition,
-                localize if self.locality else None, lower_bound)
+            if self.executor == "process":
+                future: Any = _ChildPartition(
+                    self._child(), workloads, sizes, real, rank, self.locality)
+            else:
+                future = self._pool().submit(
+                    partition_task, workloads, sizes, real, rank, self.partition,
+                    localize if self.locality else None, lower_bound)
         return self._register(ShuffleHandle(
             self._next_seq, w, rank, perf_counter() - t0, self._token, workloads, real,
             agreed.fingerprint, future,
@@ -349,14 +400,23 @@ class BatchShuffler(_ShufflerBase):
         return out
 
     def close(self) -> None:
-        """Shut the partition thread down (pending partitions are cancelled)."""
+        """Shut the partition thread or child process down (pending partitions
+        are cancelled)."""
         super().close()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         if self._finalizer is not None:
             self._finalizer.detach()
         self._agreed.clear()
+
+    def _child(self) -> PartitionWorker:
+        if self._worker is None:
+            self._worker = PartitionWorker()  # closes itself when garbage collected
+        return self._worker
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:

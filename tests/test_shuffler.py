@@ -122,7 +122,7 @@ def assert_identical(x: BaseBatch, y: BaseBatch) -> None:
 
 
 # ------------------------------------------------------------- conservation
-_VARIANTS = ("blind", "local", "default")
+_VARIANTS = ("blind", "local", "default", "thread")
 
 
 def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
@@ -131,7 +131,8 @@ def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
     ag = BatchShuffler(token_count, comm="allgather", partition=greedy, locality=False)
     shufflers = {"blind": BatchShuffler(token_count, comm="all2all", partition=greedy, locality=False),
                  "local": BatchShuffler(token_count, partition=greedy, locality=True),
-                 "default": BatchShuffler(token_count)}
+                 "default": BatchShuffler(token_count),  # balanced_partition in a child process
+                 "thread": BatchShuffler(token_count, executor="thread")}
     for case in range(15):
         b = int(rng.choice([1, 4, 9]))
         pattern = case % 5
@@ -142,14 +143,17 @@ def _conservation_worker(rank: int, w: int) -> list[dict[str, Any]]:
                            zero_frac=0.9 if pattern == 4 else 0.2)
         res: dict[str, Any] = dict(b=b, real=int(batch.actual_batch_size or 0), rows_in=rows(batch),
                                    workloads=token_count(batch).tolist())
+        outs: dict[str, BaseBatch] = {}
         for name, shuffler in shufflers.items():
             handle = shuffler.start_shuffle_async(batch)
             out = shuffler.finish_shuffle(batch, handle)
             if name == "blind":
                 assert_identical(out, ag.shuffle(batch))  # both paths, bit for bit
+            outs[name] = out
             res[name] = dict(rows=rows(out), real=int(out.actual_batch_size or 0),
                              stats=dataclasses.asdict(handle.stats),
                              dest=handle._future.result().dest.tolist())  # type: ignore[union-attr]
+        assert_identical(outs["thread"], outs["default"])  # same partition in a thread and a child
         results.append(res)
     return results
 
@@ -484,6 +488,12 @@ def test_config_validation() -> None:
                          ({"partition": 3}, "partition=3, expected a callable")):
         with pytest.raises(ValueError, match=text):
             BatchShuffler(token_count, **kwargs)
+    with pytest.raises(ValueError, match=r"executor='fork', expected one of \['auto', 'process', 'thread'\]"):
+        BatchShuffler(token_count, executor="fork")
+    with pytest.raises(ValueError, match=r"executor='process' runs balanced_partition.*partition='greedy' needs executor='thread'"):
+        BatchShuffler(token_count, partition=greedy, executor="process")
+    assert BatchShuffler(token_count, partition=greedy).executor == "thread"
+    assert BatchShuffler(token_count).executor == "process"
     with pytest.raises(ValueError, match="workload_fn=None, expected a callable"):
         BatchShuffler(None)  # type: ignore[arg-type]
 
@@ -593,3 +603,17 @@ def test_saturated_workloads_retry_and_nothing_moves() -> None:
     assert "is not the batch handle #0 was started with" in outs[0]["wrong_batch"]
     assert [o["retry"] for o in outs] == [6, 6]
     assert [o["still"] for o in outs] == [(True, 0, 0), (True, 0, 0)]
+
+
+def _child_lifecycle_worker(rank: int, w: int) -> tuple[bool, bool, int | None]:
+    s = BatchShuffler(token_count)
+    s.shuffle(make_batch(rank, 4, 4, seed=1))
+    worker = s._worker
+    assert worker is not None
+    alive = worker._proc.poll() is None
+    s.close()
+    return alive, worker._proc.poll() is not None, s._worker
+
+
+def test_close_stops_the_partition_child() -> None:
+    assert run_workers(_child_lifecycle_worker, 2) == [(True, True, None)] * 2
