@@ -16,8 +16,8 @@ Validation happens in the child; its ``ValueError`` is re-raised here.
 
 Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
 flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes];
-reply ``<qq`` = (status, length) then either ``n`` int64 (rows, part-major)
-or a UTF-8 error message.
+reply ``<qqq`` = (status, length, compute nanoseconds) then either ``n``
+int64 (rows, part-major) or a UTF-8 error message.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -37,7 +38,7 @@ import numpy as np
 __all__ = ["PartitionHandle", "PartitionWorker"]
 
 _REQ = struct.Struct("<qqqq")
-_REP = struct.Struct("<qq")
+_REP = struct.Struct("<qqq")
 _DTYPES = {0: np.dtype("<i8"), 1: np.dtype("<f8")}
 _BOOT = (
     "import sys, types\n"
@@ -80,12 +81,13 @@ def _serve(fd_in: int, fd_out: int) -> None:
         if flags & 1:
             home = np.frombuffer(_read_exact(fd_in, 8 * n), np.int64)
             sizes = np.frombuffer(_read_exact(fd_in, 8 * n), np.float64)
+        t0 = time.perf_counter_ns()
         try:
             rows = np.asarray(balanced_partition(x, w, home, sizes), dtype="<i8")
-            _write_all(fd_out, _REP.pack(0, rows.nbytes) + rows.tobytes())
+            _write_all(fd_out, _REP.pack(0, rows.nbytes, time.perf_counter_ns() - t0) + rows.tobytes())
         except (ValueError, TypeError) as e:
             msg = str(e).encode()
-            _write_all(fd_out, _REP.pack(1, len(msg)) + msg)
+            _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0) + msg)
 
 
 class PartitionHandle:
@@ -96,6 +98,8 @@ class PartitionHandle:
         self.num_parts = num_parts
         self.n = n
         self._reply: tuple[int, bytes] | None = None
+        self.seconds = 0.0
+        """Time the child spent partitioning (set once the reply was read)."""
 
     def done(self) -> bool:
         """Whether the reply was already read (never blocks)."""
@@ -182,8 +186,10 @@ class PartitionWorker:
     def _collect(self, handle: PartitionHandle) -> None:
         with self._lock:
             while not handle.done():
-                status, length = _REP.unpack(_read_exact(self._fd_in, _REP.size))
-                self._pending.popleft()._reply = (status, _read_exact(self._fd_in, length))
+                status, length, ns = _REP.unpack(_read_exact(self._fd_in, _REP.size))
+                done = self._pending.popleft()
+                done.seconds = ns * 1e-9
+                done._reply = (status, _read_exact(self._fd_in, length))
 
     def close(self) -> None:
         """Stop the child process (idempotent)."""

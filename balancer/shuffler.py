@@ -213,7 +213,6 @@ class _ChildPartition:
 
     def __init__(self, worker: PartitionWorker, workloads: np.ndarray, sizes: np.ndarray,
                  real: np.ndarray, rank: int, locality: bool) -> None:
-        self._t0 = perf_counter()
         w = real.size
         home = np.arange(workloads.size, dtype=np.int64) // (workloads.size // w) if locality else None
         self._pending = worker.submit(workloads, w, home, sizes if locality else None)
@@ -228,8 +227,13 @@ class _ChildPartition:
             workloads, real, rank = self._args
             w = real.size
             with record_function("## balancer.shuffle.partition ##"):
-                parts = validate_partition(self._pending.wait(), w, workloads.size // w)
-                self._outcome = plan_outcome(parts, workloads, real, rank, lower_bound, self._t0)
+                rows = self._pending.wait()
+                t_plan = perf_counter()
+                parts = validate_partition(rows, w, workloads.size // w)
+                outcome = plan_outcome(parts, workloads, real, rank, lower_bound, t_plan)
+                # Partition time = the child's compute + the planning here, not
+                # however long the caller let pass before collecting.
+                self._outcome = dataclasses.replace(outcome, seconds=self._pending.seconds + outcome.seconds)
         return self._outcome
 
 

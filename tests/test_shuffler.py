@@ -607,7 +607,11 @@ def test_saturated_workloads_retry_and_nothing_moves() -> None:
 
 def _child_lifecycle_worker(rank: int, w: int) -> tuple[bool, bool, int | None]:
     s = BatchShuffler(token_count)
-    s.shuffle(make_batch(rank, 4, 4, seed=1))
+    batch = make_batch(rank, 4, 4, seed=1)
+    h = s.start_shuffle_async(batch)
+    time.sleep(0.3)  # the caller's work; not partition time
+    s.finish_shuffle(batch, h)
+    assert 0 < h.stats.partition_s < 0.2, h.stats.partition_s
     worker = s._worker
     assert worker is not None
     alive = worker._proc.poll() is None
