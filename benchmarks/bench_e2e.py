@@ -102,7 +102,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model = AttentionLayer(VOCAB)
     params = [p for p in model.parameters()]
     cost = PolynomialCost(["seq"], a=cfg["cost_a"], b=cfg["cost_b"], c=cfg["cost_c"])
-    shufflers = {"off": IdentityBatchShuffler(), "on": BatchShuffler(cost, comm=cfg["comm"])}
+    shufflers = {"off": IdentityBatchShuffler(),
+                 "on": BatchShuffler(cost, comm=cfg["comm"], executor=cfg["executor"])}
     b, steps = cfg["batch_size"], cfg["steps"]
     batches = [
         make_batch(cfg["seed"], s, rank, world, b, cfg["dist"], cfg["max_len"]) for s in range(steps + 1)
@@ -164,11 +165,14 @@ def summarize(cfg: dict[str, Any], per_rank: Sequence[dict[str, Any]]) -> dict[s
         res[f"{mode}_straggler"] = statistics.median(max(c) / (sum(c) / len(c)) for c in comp)
         res[f"{mode}_compute_max_ms"] = 1e3 * statistics.median(max(c) for c in comp)
         res[f"{mode}_compute_mean_ms"] = 1e3 * statistics.median(sum(c) / len(c) for c in comp)
+        res[f"{mode}_compute_wall_max_ms"] = 1e3 * statistics.median(max(x["compute_wall_s"] for x in st) for st in steps)
+        res[f"{mode}_sync_ms"] = 1e3 * statistics.median(statistics.mean(x["sync_s"] for x in st) for st in steps)
         if mode == "on":
             exposed = [max(x["phase1_s"] + x["phase2_s"] for x in st) for st in steps]
             res["phase1_ms"] = 1e3 * statistics.median(max(x["phase1_s"] for x in st) for st in steps)
             res["phase2_ms"] = 1e3 * statistics.median(max(x["phase2_s"] for x in st) for st in steps)
             res["partition_ms"] = 1e3 * statistics.median(st[0]["partition_s"] for st in steps)
+            res["wait_ms"] = 1e3 * statistics.median(max(x["wait_s"] for x in st) for st in steps)
             res["exposed_frac"] = statistics.median(e / t for e, t in zip(exposed, step_t, strict=True))
             res["bytes_sent_per_rank"] = statistics.median(
                 sum(x["bytes_sent"] for x in st) / len(st) for st in steps
@@ -260,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--comm", default="all2all", choices=["all2all", "allgather"])
+    p.add_argument("--executor", default="auto", choices=["auto", "process", "thread"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--project", type=int, nargs="*", default=[64, 256, 1024])
     p.add_argument("--skew-sweep", action="store_true", help="projected speedup vs zipf alpha")
@@ -287,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for dist_name in a.dists:
                 for b in a.batch_sizes:
                     cfg = {"world": world, "dist": dist_name, "batch_size": b, "max_len": a.max_len,
-                           "steps": a.steps, "reps": a.reps, "comm": a.comm, "seed": a.seed,
+                           "steps": a.steps, "reps": a.reps, "comm": a.comm, "seed": a.seed, "executor": a.executor,
                            "cost_a": fit.a, "cost_b": fit.b, "cost_c": fit.c}
                     per_rank = run_workers(_worker, world, cfg, timeout=1800)
                     r = summarize(cfg, per_rank)
