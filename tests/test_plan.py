@@ -33,6 +33,7 @@ from balancer._stats import (
     decide,
 )
 from balancer.batch import BaseBatch
+from tests.reference import greedy
 
 
 def _random_case(rng: np.random.Generator, w: int, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,23 +152,13 @@ def test_wire_layout_and_fingerprint() -> None:
         assert wire_layout(other).fingerprint != lay.fingerprint
 
 
-def _greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
-    b = workloads.size // num_parts
-    loads, parts = [0] * num_parts, [[] for _ in range(num_parts)]  # type: ignore[var-annotated]
-    for i in sorted(range(workloads.size), key=lambda i: (-int(workloads[i]), i)):
-        r = min((r for r in range(num_parts) if len(parts[r]) < b), key=lambda r: (loads[r], r))
-        parts[r].append(i)
-        loads[r] += int(workloads[i])
-    return parts
-
-
 def test_partition_task_never_worsens_the_max_load() -> None:
     rng = np.random.default_rng(1)
     for _ in range(50):
         w, b = 3, 4
         workloads = rng.integers(0, 20, size=w * b)
         real = np.full(w, b)
-        out = partition_task(workloads, workloads * 8, real, 1, _greedy, None, simple_lower_bound)
+        out = partition_task(workloads, workloads * 8, real, 1, greedy, None, simple_lower_bound)
         loads = np.bincount(out.dest, weights=workloads, minlength=w)
         assert loads.max() <= workloads.reshape(w, b).sum(1).max()
         assert loads.max() >= out.lower_bound - 1e-9

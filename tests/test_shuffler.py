@@ -24,6 +24,7 @@ from balancer._plan import lengths_matrix, wire_layout
 from balancer.batch import BaseBatch
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from tests.dist_harness import WorkerError, run_workers, run_workers_outcomes
+from tests.reference import greedy
 
 KEYS = ["a", "b", "c"]
 
@@ -73,17 +74,6 @@ def make_batch(rank: int, b: int, real: int, seed: int, labels: str = "kjt",
 def token_count(batch: BaseBatch) -> torch.Tensor:
     f = batch.features
     return f.lengths().view(len(f.keys()), batch.batch_size).sum(0)
-
-
-def greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
-    """Test stand-in partitioner: largest first onto the lightest non-full part."""
-    b = workloads.size // num_parts
-    loads, parts = [0] * num_parts, [[] for _ in range(num_parts)]  # type: ignore[var-annotated]
-    for i in sorted(range(workloads.size), key=lambda i: (-int(workloads[i]), i)):
-        r = min((r for r in range(num_parts) if len(parts[r]) < b), key=lambda r: (loads[r], r))
-        parts[r].append(i)
-        loads[r] += int(workloads[i])
-    return parts
 
 
 def rows(batch: BaseBatch) -> list[tuple[Any, ...]]:
