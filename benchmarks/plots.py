@@ -6,8 +6,8 @@ Run after the benchmarks (needs the ``bench`` extra, matplotlib)::
         --shuffle bench_out/shuffle.jsonl --out docs/img
 
 Writes ``e2e_loads.png`` (per-rank load before/after for one step),
-``e2e_speedup_vs_skew.png`` (projected and measured speedup against the
-imbalance before balancing) and ``shuffle_bytes.png`` (bytes each rank sends
+``e2e_speedup_vs_skew.png`` (projected and measured speedup against the Zipf
+exponent of the lengths) and ``shuffle_bytes.png`` (bytes each rank sends
 per shuffle, both paths). ``bench_partition.py --plot`` draws the partition
 time plot itself.
 """
@@ -54,22 +54,28 @@ def plot_loads(rows: list[dict[str, Any]], out: Path) -> None:
 
 def plot_speedup_vs_skew(rows: list[dict[str, Any]], out: Path) -> None:
     sweep = [r for r in rows if r.get("bench") == "e2e_skew"]
-    meas = [r for r in rows if r.get("bench") == "e2e"]
-    if not sweep and not meas:
+    meas = [r for r in rows if r.get("bench") == "e2e" and r["dist"] == "zipf" and r["batch_size"] == 64]
+    if not sweep:
         return
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for world in sorted({r["world"] for r in sweep}):
-        pts = sorted((r["imbalance_before"], r["projected_speedup"]) for r in sweep if r["world"] == world)
-        ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=f"projected, W={world}")
-    for world in sorted({r["world"] for r in meas}):
-        pts = [(r["off_straggler"], r["speedup"]) for r in meas if r["world"] == world]
-        ax.scatter(*zip(*pts, strict=True), marker="x", s=40, zorder=3, label=f"measured, W={world}")
-    lim = max([p["imbalance_before"] for p in sweep] + [p["off_straggler"] for p in meas] + [1.1])
-    ax.plot([1, lim], [1, lim], color="grey", lw=0.8, ls=":", label="speedup = max/mean")
-    ax.set_xlabel("max/mean per-rank compute before balancing")
+    fig, ax = plt.subplots(figsize=(5.8, 3.6))
+    for i, world in enumerate(sorted({r["world"] for r in sweep})):
+        sub = sorted((r for r in sweep if r["world"] == world), key=lambda r: -r["alpha"])
+        color = f"C{i}"
+        ax.plot([r["alpha"] for r in sub], [r["projected_speedup"] for r in sub], marker="o", ms=3,
+                color=color, label=f"W={world}, shuffle hidden")
+        if "projected_speedup_gloo" in sub[0]:
+            ax.plot([r["alpha"] for r in sub], [r["projected_speedup_gloo"] for r in sub], ls="--",
+                    color=color, lw=0.9, label=f"W={world}, + overhead measured on gloo")
+    for r in meas:
+        ax.scatter([1.2], [r["speedup"]], marker="x", s=50, zorder=3, color="k")
+    if meas:
+        ax.scatter([], [], marker="x", color="k", label="measured (W=2, 4), B=64")
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.invert_xaxis()
+    ax.set_xlabel("Zipf exponent alpha of sequence lengths (heavier tail to the right)")
     ax.set_ylabel("step-time speedup")
-    ax.set_title("Speedup against skew (zipf lengths, B=64 projected)")
-    ax.legend(fontsize=7)
+    ax.set_title("Speedup against skew (zipf lengths, max 4096, B=64)")
+    ax.legend(fontsize=6.5, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "e2e_speedup_vs_skew.png", dpi=120)
     plt.close(fig)
