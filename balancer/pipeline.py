@@ -248,8 +248,11 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         # issued before it on the default and data-dist streams (here), and
         # those streams wait for it before anything issued after it (in
         # _fence_after_shuffle). The device then runs collectives in host
-        # program order, identical on every rank. The cost is small: phase 1
-        # already syncs the host on its all-gather, and phase 2 moves one batch.
+        # program order, identical on every rank. The cost is not small: the
+        # host syncs inside the shuffle (phase 1's copy of the gathered
+        # message, phase 2's lengths) now also wait for everything queued
+        # before them on the default stream, so the host cannot run ahead of
+        # the device across a shuffle (not yet measured on a GPU).
         # On CPU/gloo there are no streams; gloo matches collectives by issue
         # order per process group, which is again the same program order.
         if self._memcpy_stream is None or not self._communicates:
