@@ -3,19 +3,21 @@
 Run after the benchmarks (needs the ``bench`` extra, matplotlib)::
 
     .venv/bin/python benchmarks/plots.py --e2e bench_out/e2e.jsonl \\
-        --shuffle bench_out/shuffle.jsonl --out docs/img
+        --shuffle bench_out/shuffle.jsonl --partition bench_out/partition.jsonl --out docs/img
 
 Writes ``e2e_loads.png`` (per-rank load before/after for one step),
 ``e2e_speedup_vs_skew.png`` (projected and measured speedup against the Zipf
 exponent of the lengths) and ``shuffle_bytes.png`` (bytes each rank sends
-per shuffle, both paths). ``bench_partition.py --plot`` draws the partition
-time plot itself.
+per shuffle, both paths) and ``partition_methods.png`` (time and quality
+against N for our partitioners and the reference implementations);
+``bench_partition.py --plot`` draws ``partition_time.png`` itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +110,46 @@ def plot_shuffle_bytes(rows: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_partition_methods(rows: list[dict[str, Any]], out: Path) -> None:
+    """Time per call and quality against N, every method of the partition suite."""
+    q = [r for r in rows if r.get("kind") == "quality"]
+    if not q:
+        return
+    fig, (ax_t, ax_q) = plt.subplots(1, 2, figsize=(9, 3.4))
+    methods = ["none", "LPT (heap)", "KK (heap)", "karmarkar_karp", "balanced_partition"]
+    for i, m in enumerate(methods):
+        by_n: dict[int, list[dict[str, Any]]] = {}
+        for r in q:
+            if r["method"] == m:
+                by_n.setdefault(r["N"], []).append(r)
+        ns = sorted(by_n)
+        if not ns:
+            continue
+        t = [statistics.median(r["time_ms"] for r in by_n[n]) for n in ns]
+        g = [max(max(r["gap_median"] for r in by_n[n]), 1e-10) for n in ns]
+        style = dict(marker="o", ms=3, color=f"C{i}", lw=2 if m == "balanced_partition" else 1)
+        if m != "none":
+            ax_t.plot(ns, t, label=m, **style)
+        ax_q.plot(ns, g, label=m, **style)
+    for ax in (ax_t, ax_q):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N = W x B")
+    ax_t.set_ylabel("ms per call")
+    ax_t.set_title("Time per call (median over shapes, lengths)")
+    ax_q.set_ylabel("max load / lower bound - 1")
+    ax_q.set_title("Quality (worst shape/lengths at each N)")
+    ax_q.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "partition_methods.png", dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--e2e", default="bench_out/e2e.jsonl")
     ap.add_argument("--shuffle", default="bench_out/shuffle.jsonl")
+    ap.add_argument("--partition", default="bench_out/partition.jsonl")
     ap.add_argument("--out", default="docs/img")
     a = ap.parse_args()
     out = Path(a.out)
@@ -120,6 +158,7 @@ def main() -> None:
     plot_loads(e2e, out)
     plot_speedup_vs_skew(e2e, out)
     plot_shuffle_bytes(read(a.shuffle), out)
+    plot_partition_methods(read(a.partition), out)
     print(f"plots in {out}")
 
 
