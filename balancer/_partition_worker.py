@@ -111,14 +111,18 @@ class PartitionHandle:
 
     def wait(self) -> list[list[int]]:
         """Block until the child answered; same result and errors as ``balanced_partition``."""
+        out: list[list[int]] = self.wait_rows().tolist()
+        return out
+
+    def wait_rows(self) -> np.ndarray:
+        """:meth:`wait` as a read-only int64 array ``[num_parts, n / num_parts]``,
+        without building Python lists (the shuffler's phase 2 reads it)."""
         self._worker._collect(self)
         assert self._reply is not None, "collect fills the reply"
         status, body = self._reply
         if status:
             raise ValueError(body.decode())
-        out: list[list[int]] = np.frombuffer(body, "<i8").reshape(
-            self.num_parts, self.n // self.num_parts).tolist()
-        return out
+        return np.frombuffer(body, "<i8").reshape(self.num_parts, self.n // self.num_parts)
 
 
 class PartitionWorker:

@@ -213,7 +213,7 @@ def gather_segments(buf: torch.Tensor, seg_lengths: torch.Tensor, seg_ids: torch
 
 # ---------------------------------------------------------- redistribution
 def validate_partition(
-    parts: Sequence[Sequence[int]] | Sequence[np.ndarray], num_parts: int, batch_size: int
+    parts: Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray, num_parts: int, batch_size: int
 ) -> list[np.ndarray]:
     """Check that ``parts`` splits ``range(num_parts * batch_size)`` into
     ``num_parts`` parts of exactly ``batch_size`` indices.

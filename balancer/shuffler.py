@@ -227,7 +227,7 @@ class _ChildPartition:
             workloads, real, rank = self._args
             w = real.size
             with record_function("## balancer.shuffle.partition ##"):
-                rows = self._pending.wait()
+                rows = self._pending.wait_rows()
                 t_plan = perf_counter()
                 parts = validate_partition(rows, w, workloads.size // w)
                 outcome = plan_outcome(parts, workloads, real, rank, lower_bound, t_plan)
