@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Outcome", "PartitionFn", "RankPlan", "Section", "WireLayout", "destinations", "gather_segments",
-    "lengths_matrix", "opaque", "partition_task", "plan_rank", "sample_bytes", "section_elements",
+    "lengths_matrix", "moved_mask", "opaque", "partition_task", "plan_rank", "real_mask", "sample_bytes", "section_elements",
     "section_tensor", "simple_lower_bound", "validate_partition", "wire_layout",
 ]
 
@@ -239,6 +239,17 @@ def validate_partition(
     return out
 
 
+def real_mask(real: np.ndarray, batch_size: int) -> np.ndarray:
+    """[W * B] bool: whether global sample ``g = r * B + i`` is real (``i < real[r]``)."""
+    return (np.arange(batch_size) < np.asarray(real)[:, None]).reshape(-1)
+
+
+def moved_mask(dest: np.ndarray, batch_size: int) -> np.ndarray:
+    """[W * B] bool: whether global sample ``g`` leaves its rank (``dest[g] != g // B``)."""
+    w = dest.size // batch_size
+    return (dest.reshape(w, batch_size) != np.arange(w)[:, None]).reshape(-1)
+
+
 def destinations(parts: Sequence[np.ndarray], n: int) -> np.ndarray:
     """``dest[g]``: the rank that gets global sample ``g`` (``g = rank * B + i``)."""
     dest = np.empty(n, dtype=np.int64)
@@ -298,9 +309,7 @@ def plan_rank(dest: np.ndarray, batch_size: int, real: np.ndarray, rank: int) ->
     mine = dest[rank * batch_size : rank * batch_size + int(real[rank])]
     send_order = np.argsort(mine, kind="stable").astype(np.int64)
     send_counts = np.bincount(mine, minlength=w).astype(np.int64)
-    local = np.arange(dest.size, dtype=np.int64) % batch_size
-    is_real = local < np.repeat(real.astype(np.int64), batch_size)
-    sources = np.flatnonzero(is_real & (dest == rank)).astype(np.int64)
+    sources = np.flatnonzero(real_mask(real, batch_size) & (dest == rank)).astype(np.int64)
     recv_counts = np.bincount(sources // batch_size, minlength=w).astype(np.int64)
     return RankPlan(rank, send_order, send_counts, recv_counts, sources)
 
@@ -323,7 +332,10 @@ def simple_lower_bound(workloads: np.ndarray, num_parts: int) -> float:
 
 
 def _max_load(parts: list[np.ndarray], workloads: np.ndarray) -> int:
-    return max((int(workloads[p].sum()) for p in parts), default=0)
+    """Largest part load; parts are validated, so all have the same size."""
+    if not parts:
+        return 0
+    return int(workloads[np.concatenate(parts)].reshape(len(parts), -1).sum(1).max(initial=0))
 
 
 def partition_task(workloads: np.ndarray, sizes: np.ndarray, real: np.ndarray, rank: int,
@@ -364,15 +376,13 @@ def plan_outcome(parts: list[np.ndarray], workloads: np.ndarray, real: np.ndarra
     destinations, the plan, the lower bound; ``t0`` is when partitioning began."""
     w = real.size
     b = workloads.size // w
-    stay = [np.arange(r * b, (r + 1) * b, dtype=np.int64) for r in range(w)]
-    if _max_load(parts, workloads) > _max_load(stay, workloads):
-        parts = stay  # never worsen the max load: then nothing moves
+    if _max_load(parts, workloads) > int(workloads.reshape(w, b).sum(1).max(initial=0)):
+        # Never worsen the max load: then nothing moves.
+        parts = [np.arange(r * b, (r + 1) * b, dtype=np.int64) for r in range(w)]
     dest = destinations(parts, workloads.size)
     plan = plan_rank(dest, b, real, rank)
     lb = float(bound(workloads, w))
-    home = np.arange(workloads.size, dtype=np.int64) // b
-    is_real = (np.arange(workloads.size) % b) < np.repeat(real, b)
-    moves = bool(((dest != home) & is_real).any())
+    moves = bool((moved_mask(dest, b) & real_mask(real, b)).any())
     return Outcome(dest, plan, lb, perf_counter() - t0, moves)
 
 

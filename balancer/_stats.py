@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from balancer._comm import Traffic
-from balancer._plan import sample_bytes, wire_layout
+from balancer._plan import moved_mask, real_mask, sample_bytes, wire_layout
 from balancer.batch import BaseBatch
 from balancer.workloads import MAX_COST
 
@@ -310,11 +310,9 @@ def build_stats(
     before = workloads.reshape(w, b).sum(axis=1) if b else np.zeros(w, np.int64)
     after = np.zeros(w, dtype=np.int64)
     np.add.at(after, dest, workloads)
-    local = np.arange(dest.size) % b if b else np.zeros(0, np.int64)
-    home = np.arange(dest.size) // b if b else np.zeros(0, np.int64)
-    is_real = local < np.repeat(real, b)
+    is_real = real_mask(real, b) if b else np.zeros(0, bool)
     total_real = int(is_real.sum())
-    moved = int((is_real & (dest != home)).sum())
+    moved = int((is_real & moved_mask(dest, b)).sum()) if b else 0
     return ShuffleStats(
         seq=seq,
         world_size=int(w),
