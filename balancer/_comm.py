@@ -29,7 +29,7 @@ from balancer._plan import (
     gather_segments,
     lengths_matrix,
     opaque,
-    section_elements,
+    section_elements_by_run,
     section_tensor,
 )
 from balancer.batch import BaseBatch, pad_batch
@@ -173,8 +173,7 @@ def _pack(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h
 def _chunk_bytes(layout: WireLayout, recv_len_h: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """[W, S, K] bytes of every (source, section, key) in a received buffer."""
     items = np.array([s.itemsize for s in layout.sections], np.int64)[:, None]
-    return np.stack([section_elements(layout, recv_len_h[starts[src] : starts[src + 1]]) * items
-                     for src in range(starts.size - 1)])
+    return section_elements_by_run(layout, recv_len_h, starts) * items
 
 
 def _assemble(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h: np.ndarray,

@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Outcome", "PartitionFn", "RankPlan", "Section", "WireLayout", "destinations", "gather_segments",
-    "lengths_matrix", "moved_mask", "opaque", "partition_task", "plan_rank", "real_mask", "sample_bytes", "section_elements",
-    "section_tensor", "simple_lower_bound", "validate_partition", "wire_layout",
+    "lengths_matrix", "moved_mask", "opaque", "partition_task", "plan_rank", "real_mask", "sample_bytes",
+    "section_elements", "section_elements_by_run", "section_tensor", "simple_lower_bound", "validate_partition", "wire_layout",
 ]
 
 PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
@@ -163,12 +163,27 @@ def sample_bytes(batch: BaseBatch, layout: WireLayout) -> torch.Tensor:
 def section_elements(layout: WireLayout, lengths_mk: np.ndarray) -> np.ndarray:
     """[S, K] elements each section holds for samples with lengths [M, K_total]
     (host), per key (dense sections: column 0); K = the most keys of a section."""
-    out = np.zeros((len(layout.sections), max((s.count for s in layout.sections), default=0)), np.int64)
+    return section_elements_by_run(layout, lengths_mk, np.array([0, lengths_mk.shape[0]]))[0]
+
+
+def section_elements_by_run(layout: WireLayout, lengths_mk: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """[R, S, K] :func:`section_elements` of each run of samples
+    ``lengths_mk[starts[r] : starts[r + 1]]`` (e.g. one run per source rank),
+    with one reduction over every key instead of one per (run, section);
+    ``starts`` is ascending, from 0 to M."""
+    counts = np.diff(starts)
+    per_run = np.zeros((counts.size, lengths_mk.shape[1]), np.int64)  # [R, K_total]
+    full = counts > 0
+    if full.any() and lengths_mk.shape[1]:
+        # Empty runs are left out: reduceat would give them one row, not 0.
+        per_run[full] = np.add.reduceat(lengths_mk, starts[:-1][full], axis=0)
+    k = max((s.count for s in layout.sections), default=0)
+    out = np.zeros((counts.size, len(layout.sections), k), np.int64)
     for j, s in enumerate(layout.sections):
         if s.kind == "dense":
-            out[j, 0] = lengths_mk.shape[0] * s.width
+            out[:, j, 0] = counts * s.width
         else:
-            out[j, : s.count] = lengths_mk[:, s.row : s.row + s.count].sum(0)
+            out[:, j, : s.count] = per_run[:, s.row : s.row + s.count]
     return out
 
 
