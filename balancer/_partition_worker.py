@@ -16,8 +16,9 @@ Validation happens in the child; its ``ValueError`` is re-raised here.
 
 Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
 flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes];
-reply ``<qqq`` = (status, length, compute nanoseconds) then either ``n``
-int64 (rows, part-major) or a UTF-8 error message.
+reply ``<qqqd`` = (status, length, compute nanoseconds, lower bound) then
+either ``n`` int64 (rows, part-major) or a UTF-8 error message. The child also
+computes ``lower_bound`` (statistics only), so the caller's thread need not.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 __all__ = ["PartitionHandle", "PartitionWorker"]
 
 _REQ = struct.Struct("<qqqq")
-_REP = struct.Struct("<qqq")
+_REP = struct.Struct("<qqqd")
 _DTYPES = {0: np.dtype("<i8"), 1: np.dtype("<f8")}
 _BOOT = (
     "import sys, types\n"
@@ -68,7 +69,7 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 def _serve(fd_in: int, fd_out: int) -> None:
     """Child loop: answer requests until stdin closes."""
-    from balancer.partition import balanced_partition
+    from balancer.partition import balanced_partition, lower_bound
 
     while True:
         try:
@@ -84,10 +85,12 @@ def _serve(fd_in: int, fd_out: int) -> None:
         t0 = time.perf_counter_ns()
         try:
             rows = np.asarray(balanced_partition(x, w, home, sizes), dtype="<i8")
-            _write_all(fd_out, _REP.pack(0, rows.nbytes, time.perf_counter_ns() - t0) + rows.tobytes())
+            ns = time.perf_counter_ns() - t0
+            bound = float(lower_bound(x, w))
+            _write_all(fd_out, _REP.pack(0, rows.nbytes, ns, bound) + rows.tobytes())
         except (ValueError, TypeError) as e:
             msg = str(e).encode()
-            _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0) + msg)
+            _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0, 0.0) + msg)
 
 
 class PartitionHandle:
@@ -100,6 +103,8 @@ class PartitionHandle:
         self._reply: tuple[int, bytes] | None = None
         self.seconds = 0.0
         """Time the child spent partitioning (set once the reply was read)."""
+        self.lower_bound = 0.0
+        """``lower_bound(workloads, num_parts)``, computed by the child."""
 
     def done(self) -> bool:
         """Whether the reply was already read (never blocks)."""
@@ -190,10 +195,14 @@ class PartitionWorker:
     def _collect(self, handle: PartitionHandle) -> None:
         with self._lock:
             while not handle.done():
-                status, length, ns = _REP.unpack(_read_exact(self._fd_in, _REP.size))
+                status, length, ns, bound = _REP.unpack(_read_exact(self._fd_in, _REP.size))
                 done = self._pending.popleft()
-                done.seconds = ns * 1e-9
+                done.seconds, done.lower_bound = ns * 1e-9, bound
                 done._reply = (status, _read_exact(self._fd_in, length))
+
+    def alive(self) -> bool:
+        """Whether the child process is still running."""
+        return self._proc.poll() is None
 
     def close(self) -> None:
         """Stop the child process (idempotent)."""

@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from balancer import _comm, _stats
 from balancer._comm import Traffic
+from balancer._partition_worker import PartitionHandle
 from balancer._plan import (
     Outcome,
     PartitionFn,
@@ -209,31 +210,56 @@ class _ShufflerBase:
 class _ChildPartition:
     """A partition running in the child process, with the ``Future`` methods
     the handle uses. ``result`` collects the parts (the calling thread sleeps
-    in a pipe read, without the GIL) and plans this rank's phase 2."""
+    in a pipe read, without the GIL) and plans this rank's phase 2.
+
+    If the child died (killed, out of memory), this rank computes the same
+    deterministic ``balanced_partition`` itself instead: raising here, on one
+    rank only, would leave the other ranks waiting in phase 2's collectives.
+    """
 
     def __init__(self, worker: PartitionWorker, workloads: np.ndarray, sizes: np.ndarray,
                  real: np.ndarray, rank: int, locality: bool) -> None:
         w = real.size
-        home = np.arange(workloads.size, dtype=np.int64) // (workloads.size // w) if locality else None
-        self._pending = worker.submit(workloads, w, home, sizes if locality else None)
+        self._home = np.arange(workloads.size, dtype=np.int64) // (workloads.size // w) if locality else None
+        # float64 sizes, as the child receives them: an in-process fallback
+        # then computes exactly what the other ranks' children compute.
+        self._sizes = sizes.astype(np.float64) if locality else None
+        self._pending: PartitionHandle | None = None
+        try:
+            self._pending = worker.submit(workloads, w, self._home, self._sizes)
+        except OSError as e:  # BrokenPipeError: the child is gone
+            logger.warning("balancer: partition child unavailable (%s); partitioning in-process", e)
         self._args = (workloads, real, rank)
         self._outcome: Outcome | None = None
 
     def done(self) -> bool:
-        return self._outcome is not None or self._pending.ready()
+        return self._outcome is not None or self._pending is None or self._pending.ready()
+
+    def _rows(self) -> tuple[np.ndarray, float, float]:
+        """(parts [W, B], child seconds, lower bound), in-process if the child died."""
+        if self._pending is not None:
+            try:
+                rows = self._pending.wait_rows()
+                return rows, self._pending.seconds, self._pending.lower_bound
+            except (EOFError, OSError) as e:
+                logger.warning("balancer: partition child failed (%s); partitioning in-process", e)
+        workloads, real, _ = self._args
+        t0 = perf_counter()
+        parts = balanced_partition(workloads, real.size, self._home, self._sizes)
+        return np.asarray(parts, dtype=np.int64), perf_counter() - t0, lower_bound(workloads, real.size)
 
     def result(self) -> Outcome:
         if self._outcome is None:
             workloads, real, rank = self._args
             w = real.size
             with record_function("## balancer.shuffle.partition ##"):
-                rows = self._pending.wait_rows()
+                rows, child_s, bound = self._rows()
                 t_plan = perf_counter()
                 parts = validate_partition(rows, w, workloads.size // w)
-                outcome = plan_outcome(parts, workloads, real, rank, lower_bound, t_plan)
+                outcome = plan_outcome(parts, workloads, real, rank, lambda *_: bound, t_plan)
                 # Partition time = the child's compute + the planning here, not
                 # however long the caller let pass before collecting.
-                self._outcome = dataclasses.replace(outcome, seconds=self._pending.seconds + outcome.seconds)
+                self._outcome = dataclasses.replace(outcome, seconds=child_s + outcome.seconds)
         return self._outcome
 
 
@@ -418,6 +444,10 @@ class BatchShuffler(_ShufflerBase):
         self._agreed.clear()
 
     def _child(self) -> PartitionWorker:
+        if self._worker is not None and not self._worker.alive():
+            logger.warning("balancer: the partition child process exited; starting a new one")
+            self._worker.close()
+            self._worker = None
         if self._worker is None:
             self._worker = PartitionWorker()  # closes itself when garbage collected
         return self._worker

@@ -611,3 +611,29 @@ def _child_lifecycle_worker(rank: int, w: int) -> tuple[bool, bool, int | None]:
 
 def test_close_stops_the_partition_child() -> None:
     assert run_workers(_child_lifecycle_worker, 2) == [(True, True, None)] * 2
+
+
+def _dead_child_worker(rank: int, w: int) -> list[tuple[bool, int]]:
+    s = BatchShuffler(token_count)  # child process
+    ref = BatchShuffler(token_count, executor="thread")
+    out = []
+    for step in range(4):
+        batch = make_batch(rank, 9, 9 - step, seed=20 + step)
+        h = s.start_shuffle_async(batch)
+        if rank == 0 and step in (1, 2):
+            # The child dies mid-shuffle on one rank only (e.g. the OOM killer).
+            assert s._worker is not None
+            s._worker._proc.kill()
+            s._worker._proc.wait()
+        res = s.finish_shuffle(batch, h)
+        assert_identical(res, ref.shuffle(batch))  # same partition as everywhere else
+        out.append((s._worker is not None and s._worker.alive(), res.actual_batch_size))
+    return out
+
+
+def test_dead_partition_child_falls_back_and_restarts() -> None:
+    outs = run_workers(_dead_child_worker, 2, timeout=60)
+    # Rank 0's child was killed at steps 1 and 2: it partitioned in-process,
+    # and started a new child at the next start.
+    assert [alive for alive, _ in outs[0]] == [True, False, False, True]
+    assert all(alive for alive, _ in outs[1])
