@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Outcome", "PartitionFn", "RankPlan", "Section", "WireLayout", "destinations", "gather_segments",
     "lengths_matrix", "moved_mask", "opaque", "partition_task", "plan_rank", "real_mask", "sample_bytes",
-    "section_elements", "section_elements_by_run", "section_tensor", "simple_lower_bound", "validate_partition", "wire_layout",
+    "section_elements", "section_elements_by_run", "section_tensor", "simple_lower_bound",
+    "SUPPORTED_ITEMSIZES", "unsupported_dtypes", "validate_partition", "wire_layout",
 ]
 
 PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
@@ -44,6 +45,25 @@ indices; must be deterministic: every rank runs it on identical input."""
 # ------------------------------------------------------------------ layout
 _OPAQUE = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
 """Per item size, the dtype whose bits the jagged gather copies (see :func:`opaque`)."""
+
+SUPPORTED_ITEMSIZES = frozenset(_OPAQUE)
+"""Element sizes (bytes) of the tensors a shuffle can carry."""
+
+
+def unsupported_dtypes(batch: BaseBatch) -> list[str]:
+    """``field[.part]: dtype`` of every tensor whose element size the wire
+    format cannot carry (e.g. complex128); checked in phase 1, before any
+    data moves."""
+    bad = []
+    for name, kjt in batch.kjt_fields().items():
+        w = kjt.weights_or_none()
+        for part, t in (("values", kjt.values()), ("weights", w)):
+            if t is not None and t.element_size() not in _OPAQUE:
+                bad.append(f"{name}.{part}: {t.dtype}")
+    for name, t in batch.dense_fields().items():
+        if t.element_size() not in _OPAQUE:
+            bad.append(f"{name}: {t.dtype}")
+    return bad
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 from balancer._comm import Traffic
-from balancer._plan import moved_mask, real_mask, sample_bytes, wire_layout
+from balancer._plan import (
+    SUPPORTED_ITEMSIZES,
+    moved_mask,
+    real_mask,
+    sample_bytes,
+    unsupported_dtypes,
+    wire_layout,
+)
 from balancer.batch import BaseBatch
 from balancer.workloads import MAX_COST
 
@@ -191,6 +198,12 @@ def local_input(batch: Any, workload_fn: Callable[[Any], Any], rank: int, pg: An
         local.header[H_STATUS] |= Status.BAD_INPUT
         local.error = (f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, expected "
                        f"[batch_size={b}] of an integer or floating dtype (rank {rank})")
+        return local
+    bad_dtypes = unsupported_dtypes(batch)
+    if bad_dtypes:
+        local.header[H_STATUS] |= Status.BAD_INPUT
+        local.error = (f"fields {bad_dtypes} have an element size the wire format cannot carry; "
+                       f"expected one of {sorted(SUPPORTED_ITEMSIZES)} bytes (rank {rank})")
         return local
     if batch.device.type == "cpu":  # free to check on the host, a sync on CUDA
         for name, kjt in batch.kjt_fields().items():

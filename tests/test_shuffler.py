@@ -637,3 +637,19 @@ def test_dead_partition_child_falls_back_and_restarts() -> None:
     # and started a new child at the next start.
     assert [alive for alive, _ in outs[0]] == [True, False, False, True]
     assert all(alive for alive, _ in outs[1])
+
+
+def _complex_dense_worker(rank: int, w: int) -> str:
+    batch = make_batch(rank, 4, 4, seed=3)
+    batch = dataclasses.replace(batch, dense=batch.dense.to(torch.complex128))  # 16-byte items
+    try:
+        BatchShuffler(token_count).shuffle(batch)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unsupported_dtype_is_rejected_in_phase_1() -> None:
+    for rank, msg in enumerate(run_workers(_complex_dense_worker, 2)):
+        assert "[0, 1]" in msg, msg  # every rank names both offending ranks
+        assert "dense: torch.complex128" in msg and f"(rank {rank})" in msg, msg
