@@ -59,7 +59,7 @@ def plot_speedup_vs_skew(rows: list[dict[str, Any]], out: Path) -> None:
     meas = [r for r in rows if r.get("bench") == "e2e" and r["dist"] == "zipf" and r["batch_size"] == 64]
     if not sweep:
         return
-    fig, ax = plt.subplots(figsize=(5.8, 3.6))
+    fig, ax = plt.subplots(figsize=(8.2, 3.6))
     for i, world in enumerate(sorted({r["world"] for r in sweep})):
         sub = sorted((r for r in sweep if r["world"] == world), key=lambda r: -r["alpha"])
         color = f"C{i}"
@@ -77,7 +77,7 @@ def plot_speedup_vs_skew(rows: list[dict[str, Any]], out: Path) -> None:
     ax.set_xlabel("Zipf exponent alpha of sequence lengths (heavier tail to the right)")
     ax.set_ylabel("step-time speedup")
     ax.set_title("Speedup against skew (zipf lengths, max 4096, B=64)")
-    ax.legend(fontsize=6.5, ncol=2, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(out / "e2e_speedup_vs_skew.png", dpi=120)
     plt.close(fig)
