@@ -20,6 +20,8 @@ much denser, which closes the last gap to the bound.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = ["polish", "polish_pairs", "sort_order", "swap_rounds"]
@@ -82,23 +84,15 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         vq = vals[rows[cand]]  # [K, B]
         gap = lp - loads[cand]  # [K], > 0 unless tied with the max
         want = 2 * vq + gap[:, None]  # 2a that would split the gap evenly
-        hi = np.minimum(np.searchsorted(a2, want), b - 1)
-        lo = np.maximum(hi - 1, 0)
-        err_hi = np.abs(a2[hi] - want)
-        err_lo = np.abs(a2[lo] - want)
-        use_lo = err_lo < err_hi
-        err = np.where(use_lo, err_lo, err_hi)
-        score = np.where(err < gap[:, None], err + loads[cand][:, None], big)
-        best = int(np.argmin(score))
-        qi, jb = divmod(best, b)
-        if score[qi, jb] == big:
+        found = _closest(a2, want, gap, loads[cand], big)
+        if found is None:
             if full:
                 break
             full = True
             continue
         full = not few
+        qi, jb, ia = found
         q = int(cand[qi])
-        ia = int(lo[qi, jb] if use_lo[qi, jb] else hi[qi, jb])
         ra, rb = rows[p, ia], rows[q, jb]
         d = vals[ra] - vals[rb]
         rows[p, ia], rows[q, jb] = rb, ra
@@ -225,6 +219,30 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     return total
 
 
+def _closest(sorted_vals: np.ndarray, want: np.ndarray, gap: np.ndarray, base: np.ndarray,
+             big: Any) -> tuple[int, int, int] | None:
+    """The best swap among targets ``want`` [K, M] against ``sorted_vals`` [S].
+
+    Each target is matched to its nearest entry of ``sorted_vals``; a match
+    counts when its error is below ``gap[k]`` and scores ``error + base[k]``.
+
+    Returns:
+        ``(k, m, index into sorted_vals)`` of the lowest score, or ``None`` when
+        no match counts.
+    """
+    hi = np.minimum(np.searchsorted(sorted_vals, want), sorted_vals.size - 1)
+    lo = np.maximum(hi - 1, 0)
+    err_hi = np.abs(sorted_vals[hi] - want)
+    err_lo = np.abs(sorted_vals[lo] - want)
+    use_lo = err_lo < err_hi
+    err = np.where(use_lo, err_lo, err_hi)
+    score = np.where(err < gap[:, None], err + base[:, None], big)
+    k, m = divmod(int(np.argmin(score)), want.shape[1])
+    if score[k, m] == big:
+        return None
+    return k, m, int(lo[k, m] if use_lo[k, m] else hi[k, m])
+
+
 def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                  max_steps: int, sample: int = 48) -> int:
     """Like :func:`polish`, trading two items of the heaviest part for two of another.
@@ -257,19 +275,12 @@ def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: 
         vq = vals[rows[others]]
         gap = lp - loads[others]
         want = 2 * (vq[:, ci] + vq[:, cj]) + gap[:, None]
-        hi = np.minimum(np.searchsorted(sp2, want), sp2.size - 1)
-        lo = np.maximum(hi - 1, 0)
-        err_hi = np.abs(sp2[hi] - want)
-        err_lo = np.abs(sp2[lo] - want)
-        use_lo = err_lo < err_hi
-        err = np.where(use_lo, err_lo, err_hi)
-        score = np.where(err < gap[:, None], err + loads[others][:, None], big)
-        best = int(np.argmin(score))
-        qi, k = divmod(best, ci.size)
-        if score[qi, k] == big:
+        found = _closest(sp2, want, gap, loads[others], big)
+        if found is None:
             break
+        qi, k, ip = found
         q = int(others[qi])
-        kp = int(op[lo[qi, k] if use_lo[qi, k] else hi[qi, k]])
+        kp = int(op[ip])
         pa, pb = int(ci[kp]), int(cj[kp])
         qa, qb = int(ci[k]), int(cj[k])
         d = vp[pa] + vp[pb] - vals[rows[q, qa]] - vals[rows[q, qb]]
