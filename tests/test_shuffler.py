@@ -23,7 +23,7 @@ from balancer import _comm
 from balancer._plan import lengths_matrix, wire_layout
 from balancer.batch import BaseBatch
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
-from tests.dist_harness import WorkerError, run_workers, run_workers_outcomes
+from balancer.testing import WorkerError, run_workers, run_workers_outcomes
 from tests.reference import greedy
 
 KEYS = ["a", "b", "c"]

@@ -1,4 +1,4 @@
-"""The gloo harness itself: results come back per rank, failures and hangs surface."""
+"""balancer.testing, the gloo harness: results come back per rank, failures and hangs surface."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import WorkerError, run_workers, run_workers_outcomes
+
+from balancer.testing import WorkerError, run_workers, run_workers_outcomes
 
 
 def _sum_ranks(rank: int, world_size: int) -> int:
