@@ -208,20 +208,15 @@ def calibrate(max_len: int) -> tuple[np.ndarray, np.ndarray, Calibration]:
 def project(
     fit: Calibration, world: int, b: int, dist_name: str, max_len: int, steps: int, seed: int,
     overhead_s: float, sync_s: float, alpha: float = 1.2,
-) -> float:
+) -> tuple[float, float]:
     """Predicted step-time speedup from the cost model and the partitioner.
 
     Step time off = max per-rank modelled compute + sync; on = the same after
     ``balanced_partition`` + the exposed shuffle overhead.
+
+    Returns:
+        (speedup, mean max/mean per-rank modelled compute before balancing).
     """
-    return _project(fit, world, b, dist_name, max_len, steps, seed, overhead_s, sync_s, alpha)[0]
-
-
-def _project(
-    fit: Calibration, world: int, b: int, dist_name: str, max_len: int, steps: int, seed: int,
-    overhead_s: float, sync_s: float, alpha: float = 1.2,
-) -> tuple[float, float]:
-    """(speedup, mean max/mean per-rank modelled compute before balancing)."""
     t_off, t_on, imb = [], [], []
     for s in range(steps):
         rng = np.random.default_rng([seed, s])
@@ -308,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = summarize(cfg, per_rank)
                     exposed_s = (r["phase1_ms"] + r["phase2_ms"]) / 1e3
                     sync_s = 0.0
-                    r["projected_speedup"] = project(fit, world, b, dist_name, a.max_len, a.steps, a.seed,
+                    r["projected_speedup"], _ = project(fit, world, b, dist_name, a.max_len, a.steps, a.seed,
                                                      exposed_s, sync_s)
                     measured = r["speedup"] if world <= (os.cpu_count() or 1) else _measured_critical_speedup(per_rank)
                     r["validation_speedup"] = measured
@@ -328,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     meas = [r for r in rows if r["dist"] == dist_name and r["batch_size"] == b]
                     exposed_s = (meas[-1]["phase1_ms"] + meas[-1]["phase2_ms"]) / 1e3 if meas else 0.0
                     for world in a.project:
-                        sp = project(fit, world, b, dist_name, a.max_len, max(2, a.steps // 2), a.seed, exposed_s, 0.0)
+                        sp, _ = project(fit, world, b, dist_name, a.max_len, max(2, a.steps // 2), a.seed, exposed_s, 0.0)
                         print(f"  W={world:>5} {dist_name:>9} B={b:>4}: projected speedup {sp:.3f}")
                         f.write(json.dumps({"bench": "e2e_projection", **env, "world": world, "dist": dist_name,
                                             "batch_size": b, "projected_speedup": sp}) + "\n")
@@ -343,8 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             exposed_s = (ref["phase1_ms"] + ref["phase2_ms"]) / 1e3 if ref else 0.0
             for world in sorted({2, *a.project}):
                 for alpha in (2.0, 1.6, 1.4, 1.2, 1.0, 0.8):
-                    ideal, imb = _project(fit, world, 64, "zipf", a.max_len, 8, a.seed, 0.0, 0.0, alpha)
-                    gloo, _ = _project(fit, world, 64, "zipf", a.max_len, 8, a.seed, exposed_s, 0.0, alpha)
+                    ideal, imb = project(fit, world, 64, "zipf", a.max_len, 8, a.seed, 0.0, 0.0, alpha)
+                    gloo, _ = project(fit, world, 64, "zipf", a.max_len, 8, a.seed, exposed_s, 0.0, alpha)
                     print(f"  W={world:>5} alpha={alpha:.1f}: max/mean before {imb:.3f}  "
                           f"projected speedup ideal {ideal:.3f}, with gloo overhead {gloo:.3f}")
                     f.write(json.dumps({"bench": "e2e_skew", **env, "world": world, "alpha": alpha,
