@@ -2,10 +2,18 @@
 
 Used by balancer's tests and benchmarks, and usable in users' own tests.
 
-Workers are *forked* (~0.1 s each; spawned workers re-import torch and torchrec,
-5-9 s), so a test launches once and loops over its sub-cases inside the worker.
-The worker function must be defined at module level and takes ``(rank,
-world_size, *args)``; it returns a picklable result (plain Python / numpy).
+Workers start from a ``forkserver``: one server process imports torch, torchrec
+and balancer once (~4 s, on the first launch), then forks a clean worker per
+rank (~0.1 s for a launch of 4). Plain ``fork`` is not an option: a process that
+has initialised CUDA (or autograd's thread pool) cannot fork children that use
+them ("Cannot re-initialize CUDA in forked subprocess"), and ``spawn`` re-imports
+torch and torchrec in every worker (5-9 s each). So a test launches once and
+loops over its sub-cases inside the worker.
+
+The worker function must be importable by name (defined at module level of an
+importable module or of the ``__main__`` script) and takes ``(rank,
+world_size, *args)``; arguments and the result must be picklable (plain Python
+/ numpy).
 
 ``run_workers`` raises if any rank failed, with every rank's traceback;
 ``run_workers_outcomes`` returns each rank's result or :class:`WorkerError`, for
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import multiprocessing.context
 import os
 import pickle
 import queue
@@ -48,6 +57,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_PRELOAD = ["torch", "torchrec", "balancer"]
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+def _mp_context() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context, with torch/torchrec/balancer preloaded in the server."""
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        # Only takes effect before the server starts (the first launch); the
+        # server is shared by every later launch of this process.
+        ctx.set_forkserver_preload(_PRELOAD)
+        _context = ctx
+    return _context
+
+
 def _entry(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], q: Any
 ) -> None:
@@ -77,7 +102,7 @@ def _entry(
 def run_workers_outcomes(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (forkserver workers).
 
     Returns:
         Per rank, its return value or a :class:`WorkerError`.
@@ -86,7 +111,7 @@ def run_workers_outcomes(
         TimeoutError: if some rank has not finished after ``timeout`` seconds
             (all ranks are then killed) -- a hang is a failure, never a wait.
     """
-    ctx = mp.get_context("fork")
+    ctx = _mp_context()
     q = ctx.Queue()
     port = free_port()
     procs = [

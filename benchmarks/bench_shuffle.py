@@ -1,6 +1,6 @@
 """Benchmark the batch shuffler: All2All vs AllGather, locality vs placement-blind.
 
-Spawns W gloo ranks on this machine (forked, see ``balancer.testing``) for each
+Starts W gloo ranks on this machine (forkserver workers, see ``balancer.testing``) for each
 W, and per (batch size, length distribution) times ``BatchShuffler.shuffle`` on
 fresh batches: 4 KJT keys (3 sequence keys of length L, 1 contextual key of
 length 1, int64 ids), a dense field [B, 16] float32 and dense labels [B]. The

@@ -1,4 +1,4 @@
-"""BatchShuffler on real gloo collectives (forked ranks), plus its local paths.
+"""BatchShuffler on real gloo collectives (forkserver ranks), plus its local paths.
 
 Every sample carries a unique id ``1 + rank * 10000 + i`` in its KJT values,
 weights, labels and dense rows, so a test can follow it across ranks.
