@@ -9,8 +9,10 @@ Data path per training step (see docs/design.md):
 (``balancer.pipeline``).
 """
 
+from balancer._version import __version__
 from balancer.batch import BaseBatch, pad_batch
 from balancer.config import BalancerConfig
+from balancer.errors import ShuffleAbortedError
 from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
 from balancer.partition import balanced_partition, karmarkar_karp, lower_bound
 from balancer.pipeline import (
@@ -41,6 +43,7 @@ __all__ = [
     "IdentityBatchShuffler",
     "PolynomialCost",
     "SelfAttentionCost",
+    "ShuffleAbortedError",
     "ShuffleHandle",
     "ShuffleStats",
     "TokenCount",
@@ -55,4 +58,5 @@ __all__ = [
     "karmarkar_karp",
     "lower_bound",
     "pad_batch",
+    "__version__",
 ]

@@ -1,21 +1,45 @@
-"""The collectives of a shuffle, and the packing around them.
+"""Every collective of a shuffle, the groups they run on, and phase 2's execution.
 
-This is the only module of balancer that issues collectives. All of them run on
-the calling thread and, for NCCL, are ordered after the work already queued on
-the current stream. Every size passed to a collective is either fixed by the
-agreement of phase 1 or derived from data that every rank has seen identically
-(the gathered headers, or lengths received in the same shuffle): a rank never
-sizes a message from data the other ranks have not validated.
+This is the only module of balancer that communicates. Per shuffle:
 
-Wire format (see :class:`balancer._plan.WireLayout`): per destination, a chunk
-holds each section's data of the samples sent there, in the batch's own layout
-(key by key, sample by sample); lengths travel in their own collective first.
+======  ==================  ====================  ======================================
+phase   thread              group                 call
+======  ==================  ====================  ======================================
+1       background          ``meta`` (gloo, CPU)  one all-gather of the phase-1 message
+2       calling             ``data`` or the DP    one ``all_to_all_single`` (or one
+                            group                 all-gather) of one flat byte buffer
+======  ==================  ====================  ======================================
+
+Why two dedicated gloo groups. Gloo and NCCL match collectives by the order in
+which each rank issues them on a group. The background thread issues phase 1
+while the training loop issues its own collectives, so phase 1 needs a group
+that no other thread uses: ``meta``. Phase 2 of a CPU batch runs on ``data``,
+a second gloo group of the shuffler's own, so that its deadline is the
+shuffler's (``timeout``) and a failure there cannot leave the caller's group
+half way through a collective; phase 2 of a CUDA batch runs on the caller's
+(NCCL) group, on the current stream. Both groups are created once, on the first
+shuffle, with ``use_local_synchronization`` so that only the group's own ranks
+take part, and live as long as the process group: destroying them would let a
+later group reuse their names, and with them stale rendezvous keys in the
+store, while a peer that closed its shuffler later still holds the old ones.
+
+Sizes. Every size passed to a collective comes from the agreement of phase 1
+(the message) or from the host plan built from phase 1's data
+(:mod:`balancer._exchange`): no rank ever sizes a message from data its peers
+have not seen, and nothing here reads a device tensor.
+
+Deadlines. Both gloo groups time out after the shuffler's ``timeout``; gloo
+then raises (it does not abort). :func:`missing_ranks` names who did not
+arrive: each rank that gave up writes a key to the default store, waits a
+short grace period, and reads which peers wrote theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -23,43 +47,18 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer._plan import (
-    RankPlan,
-    WireLayout,
-    gather_segments,
-    lengths_matrix,
-    opaque,
-    section_elements_by_run,
-    section_tensor,
-)
-from balancer.batch import BaseBatch, pad_batch
+from balancer._exchange import Exchange
+from balancer._layout import OPAQUE, WireLayout, opaque, section_tensor
+from balancer._runs import DeviceBlob, take_runs
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Traffic", "all_gather_fixed", "all_to_all_uneven", "redistribute_all2all", "redistribute_allgather",
-    "resolve_group",
+    "ShuffleGroups", "all_gather_fixed", "all_gather_objects", "assemble", "create_groups", "execute",
+    "gather_rows", "missing_ranks", "pack", "receive_buffer", "resolve_group",
 ]
 
-# torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """What this rank's phase-2 collectives moved over the network.
-
-    Samples and bytes that stay on this rank are not counted. For the
-    all-gather path every rank's (padded) buffer goes to every other rank.
-    """
-
-    samples_sent: int = 0
-    samples_received: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-
-# ------------------------------------------------------------- collectives
 def resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
     """``(group, world size, rank)``, resolved now: ``None`` is the default group
     (``dist.group.WORLD`` is ``None`` before ``init_process_group``, so it is
@@ -70,298 +69,174 @@ def resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def all_gather_fixed(t: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any) -> None:
+    # Looked up per call: torch >= 2.13 prefers all_gather_single, and tests
+    # count collectives by wrapping the module's functions.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
+
+
+def all_gather_fixed(t: torch.Tensor, group: Any) -> torch.Tensor:
     """All-gather a 1-D tensor whose size every rank knows in advance.
 
-    Example (W=2)::
-
-        rank0: t = [1, 2]       rank1: t = [3, 4]
-        both:  out = [[1, 2],
-                      [3, 4]]
-
-    Args:
-        t: [M] tensor; M equal on every rank (a mismatch aborts gloo, hangs
-            NCCL -- callers size it from an agreed value).
-        pg: process group.
+    Example (W=2): rank0 ``[1, 2]``, rank1 ``[3, 4]`` -> both ``[[1, 2], [3, 4]]``.
 
     Returns:
         [W, M] tensor, row r from rank r, on ``t``'s device.
     """
-    w = dist.get_world_size(pg)
+    w = dist.get_world_size(group)
     out = t.new_empty(w * t.numel())
-    _all_gather_single(out, t.contiguous(), group=pg)
+    _all_gather_into(out, t.contiguous(), group)
     return out.view(w, t.numel())
 
 
-def all_to_all_uneven(
-    send: torch.Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
-    pg: dist.ProcessGroup,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``all_to_all_single`` of a 1-D tensor with uneven splits.
+# ------------------------------------------------------------------ groups
+@dataclasses.dataclass(frozen=True)
+class ShuffleGroups:
+    """The groups of one shuffler on one data-parallel group.
 
-    Example (W=2; ``send_splits[d]`` elements go to rank d, in rank order)::
+    Attributes:
+        user: the caller's group (phase 2 of device batches).
+        meta: gloo group of the background thread (phase 1).
+        data: gloo group for phase 2 of CPU batches.
+        name: ``meta``'s name, the same on every rank (store keys).
+        world_size, rank: within ``user``.
+        timeout: seconds before a collective on ``meta``/``data`` gives up.
+    """
 
-        rank0: send = [a0, a1, a2]  send_splits [1, 2]  recv_splits [1, 1]
-        rank1: send = [b0, b1]      send_splits [1, 1]  recv_splits [2, 1]
-        rank0: out  = [a0, b0]      rank1: out = [a1, a2, b1]
+    user: Any
+    meta: Any
+    data: Any
+    name: str
+    world_size: int
+    rank: int
+    timeout: float
 
-    ``recv_splits[s]`` on rank r must equal ``send_splits[r]`` on rank s; both
-    come from the same plan (:func:`balancer._plan.plan_rank`) or from lengths
-    received in the previous collective. The chunk a rank sends to itself is a
-    local copy.
+    def phase2_group(self, device: torch.device) -> Any:
+        """``data`` for a CPU batch; the caller's group for a device batch,
+        unless that group is gloo-only (then ``data``, which carries any device)."""
+        if device.type == "cpu":
+            return self.data
+        backend = str(dist.get_backend(self.user)).lower()
+        return self.user if "nccl" in backend or "xccl" in backend else self.data
 
-    Args:
-        send: [sum(send_splits)] tensor.
-        send_splits: [W] elements per destination.
-        recv_splits: [W] elements per source.
-        pg: process group.
-        out: optional [sum(recv_splits)] output tensor (same dtype).
+
+def create_groups(pg: Any, timeout: float) -> ShuffleGroups:
+    """Create the shuffler's two gloo groups over ``pg``'s ranks (every rank of
+    ``pg`` calls this at the same point: the first shuffle)."""
+    ranks = dist.get_process_group_ranks(pg)
+    td = datetime.timedelta(seconds=timeout)
+    meta = dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    data = dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    name = str(getattr(meta, "group_name", "")) or f"balancer-{'-'.join(map(str, ranks))}"
+    return ShuffleGroups(pg, meta, data, name, dist.get_world_size(pg), dist.get_rank(pg), timeout)
+
+
+# ------------------------------------------------------------------ phase 1
+def gather_rows(msg: np.ndarray, groups: ShuffleGroups) -> np.ndarray:
+    """All-gather this rank's int64 message over ``meta`` (background thread).
 
     Returns:
-        [sum(recv_splits)] tensor, chunks in source-rank order.
+        [W, len(msg)] int64, row r from rank r.
     """
-    assert send.numel() == sum(send_splits), f"{send.numel()} != sum({send_splits})"
-    if out is None:
-        out = send.new_empty(sum(recv_splits))
-    assert out.numel() == sum(recv_splits), f"{out.numel()} != sum({recv_splits})"
-    dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=pg)
+    t = torch.from_numpy(np.ascontiguousarray(msg, dtype=np.int64))
+    return all_gather_fixed(t, groups.meta).numpy()
+
+
+def all_gather_objects(obj: Any, groups: ShuffleGroups) -> list[Any]:
+    """Every rank's picklable ``obj`` over ``meta`` (error path only)."""
+    out: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(out, obj, group=groups.meta)
     return out
 
 
-# ------------------------------------------------------------------ packing
-def _pack(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h: np.ndarray,
-          groups: list[np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
-    """The samples ``groups[d]`` for every destination d, as one byte buffer.
+def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> list[int] | None:
+    """Ranks (within the group) that did not reach ``phase`` of shuffle ``seq``.
 
-    Chunk d holds, section by section, the section's data of ``groups[d]`` in
-    the batch's own layout: key by key, sample by sample.
-
-    Args:
-        lengths: [K_total, B] int64 lengths (device); ``lengths_h`` the same on the host.
-        groups: per destination, local sample indices (ascending).
-
-    Returns:
-        The uint8 buffer and [W] bytes per destination.
+    Called by every rank whose collective failed: each writes its key, then
+    waits up to ``grace`` seconds for the others'. A rank that is stalled or
+    dead never writes. ``None`` if the store cannot be reached.
     """
-    dev, b = batch.device, layout.batch_size
-    order = torch.from_numpy(np.concatenate(groups)).to(dev)
-    chunks: list[tuple[torch.Tensor, list[int]]] = []  # per section: bytes, bytes per destination
-    for s in layout.sections:
-        t = opaque(section_tensor(batch, s))
-        if s.kind == "dense":
-            data = t.view(b, s.width).index_select(0, order)
-            per_dest = [g.size * s.width for g in groups]
-        else:
-            rows_h = lengths_h[s.row : s.row + s.count]
-            per_dest = [int(rows_h[:, g].sum()) for g in groups]
-            seg = np.concatenate([(np.arange(s.count)[:, None] * b + g).ravel() for g in groups])
-            data = gather_segments(t, lengths[s.row : s.row + s.count].reshape(-1),
-                                   torch.from_numpy(seg).to(dev), sum(per_dest))
-        chunks.append((data.reshape(-1).view(torch.uint8), [n * s.itemsize for n in per_dest]))
-    pieces, offsets = [], [0] * len(chunks)
-    for d in range(len(groups)):  # destination-major: all_to_all_single sends contiguous chunks
-        for i, (data, sizes) in enumerate(chunks):
-            pieces.append(data[offsets[i] : offsets[i] + sizes[d]])
-            offsets[i] += sizes[d]
-    totals = np.array([sum(sizes[d] for _, sizes in chunks) for d in range(len(groups))], np.int64)
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=dev), totals
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"balancer/{groups.name}/failed/{seq}/{phase}/"
+        store.set(key + str(groups.rank), "1")
+        deadline = time.monotonic() + grace
+        while True:
+            present = [r for r in range(groups.world_size) if store.check([key + str(r)])]
+            if len(present) == groups.world_size or time.monotonic() > deadline:
+                return sorted(set(range(groups.world_size)) - set(present))
+            time.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 - diagnosis only; the caller still raises
+        logger.warning("balancer: could not read which ranks are missing: %s", e)
+        return None
 
 
-def _chunk_bytes(layout: WireLayout, recv_len_h: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """[W, S, K] bytes of every (source, section, key) in a received buffer."""
-    items = np.array([s.itemsize for s in layout.sections], np.int64)[:, None]
-    return section_elements_by_run(layout, recv_len_h, starts) * items
+# ------------------------------------------------------------------ phase 2
+def pack(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob) -> torch.Tensor:
+    """The uint8 send buffer of ``ex`` (``sum(send_splits)`` bytes; ``allgather``: one row)."""
+    dev = batch.device
+    local = [opaque(section_tensor(batch, s)) for s in layout.sections]
+    srcs = [t if g is None else take_runs(t, g, blob) for t, g in zip(local, ex.pack, strict=True)]
+    as_bytes = [t.view(torch.uint8) for t in srcs]
+    zeros = torch.zeros(max((n for j, _, n in ex.pieces if j < 0), default=0), dtype=torch.uint8, device=dev)
+    pieces = [zeros[:n] if j < 0 else as_bytes[j][off : off + n] for j, off, n in ex.pieces]
+    return torch.cat(pieces) if pieces else zeros[:0]
 
 
-def _assemble(batch: BaseBatch, layout: WireLayout, lengths: torch.Tensor, lengths_h: np.ndarray,
-              keep: np.ndarray, rank: int, recv: torch.Tensor, recv_len: torch.Tensor,
-              recv_len_h: np.ndarray, recv_counts: np.ndarray) -> BaseBatch:
-    """The output batch: real samples in ascending global order -- each source
-    rank's block in rank order, this rank's kept samples as block ``rank`` --
-    then padding.
-
-    Per section one gather over [this rank's tensor | received chunks]: kept
-    and received bytes are copied twice (concatenation, gather), nothing else
-    is touched.
-
-    Args:
-        lengths, lengths_h: [K_total, B] lengths of this batch (device, host).
-        keep: local indices (ascending) of the real samples that stay.
-        recv: uint8 buffer of :func:`_pack` chunks from every source (rank order).
-        recv_len, recv_len_h: [M_recv, K_total] lengths of the received samples.
-        recv_counts: [W] samples received per source (0 at ``rank``).
-    """
-    dev, b, w = batch.device, layout.batch_size, recv_counts.size
-    starts = np.concatenate([[0], np.cumsum(recv_counts)])
-    m = int(keep.size + recv_counts.sum())
-    nbytes = _chunk_bytes(layout, recv_len_h, starts).sum(2)  # [W, S]
-    offs = (np.cumsum(nbytes.reshape(-1)) - nbytes.reshape(-1)).reshape(nbytes.shape)
-    tensors: dict[tuple[str, str], torch.Tensor] = {}
-    for j, s in enumerate(layout.sections):
-        mine = opaque(section_tensor(batch, s))
-        pieces = [mine.view(torch.uint8)] + [recv[offs[src, j] : offs[src, j] + nbytes[src, j]]
-                                             for src in range(w) if recv_counts[src]]
-        combined = torch.cat(pieces).view(mine.dtype)  # a fresh buffer: aligned for any dtype
-        if s.kind == "dense":
-            idx = np.concatenate([keep if src == rank else b + np.arange(starts[src], starts[src + 1])
-                                  for src in range(w)])
-            out = torch.zeros(b, s.width, dtype=mine.dtype, device=dev)
-            torch.index_select(combined.view(-1, s.width), 0, torch.from_numpy(idx).to(dev), out=out[:m])
-            tensors[(s.field, s.kind)] = out.view(s.dtype)
-            continue
-        seg_len, seg, base = [lengths[s.row : s.row + s.count].reshape(-1)], [], s.count * b
-        for src in range(w):
-            n = int(recv_counts[src])
-            seg_len.append(recv_len[starts[src] : starts[src + 1], s.row : s.row + s.count].t().reshape(-1))
-            seg.append(np.arange(s.count)[:, None] * (b if src == rank else n)
-                       + (keep if src == rank else base + np.arange(n)))
-            base += s.count * n
-        order = np.concatenate(seg, axis=1).reshape(-1)  # key by key; sources in rank order
-        total = int(lengths_h[s.row : s.row + s.count][:, keep].sum()) + int(nbytes[:, j].sum()) // s.itemsize
-        tensors[(s.field, s.kind)] = gather_segments(
-            combined, torch.cat(seg_len), torch.from_numpy(order).to(dev), total).view(s.dtype)
-    keep_dev = torch.from_numpy(keep).to(dev)
-    out_len = torch.cat([lengths.t().index_select(0, keep_dev) if src == rank
-                         else recv_len[starts[src] : starts[src + 1]] for src in range(w)])
-    return _build(batch, layout, out_len, tensors)
+def receive_buffer(ex: Exchange, device: torch.device) -> torch.Tensor:
+    """The receive buffer: ``recv_bytes`` for the collective, then a zero tail."""
+    buf = torch.empty(ex.recv_bytes + ex.tail, dtype=torch.uint8, device=device)
+    if ex.tail:
+        buf[ex.recv_bytes :].zero_()
+    return buf
 
 
-def _build(batch: BaseBatch, layout: WireLayout, lengths_mk: torch.Tensor,
-           tensors: dict[tuple[str, str], torch.Tensor]) -> BaseBatch:
-    """``batch`` with new tensors: M real samples (lengths [M, K_total]), then padding."""
-    m, b = lengths_mk.shape[0], layout.batch_size
-    fields: dict[str, torch.Tensor | KeyedJaggedTensor] = {}
-    for k in layout.kjts:
-        kl = lengths_mk.new_zeros(len(k.keys), b)
-        kl[:, :m] = lengths_mk[:, k.row : k.row + len(k.keys)].t()
-        fields[k.name] = KeyedJaggedTensor(
-            keys=list(k.keys), values=tensors[(k.name, "values")],
-            weights=tensors.get((k.name, "weights")), lengths=kl.view(-1).to(k.lengths_dtype))
+def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf: torch.Tensor,
+             replace: Any) -> Any:
+    """The output batch from the filled receive buffer: one gather per section,
+    KJTs built with their sizes known (no later access syncs either)."""
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for s, g in zip(layout.sections, ex.out, strict=True):
+        view = buf.view(OPAQUE[s.itemsize])
+        out[(s.field, s.part)] = take_runs(view, g, blob).view(s.dtype)
+    b = layout.batch_size
+    fields: dict[str, Any] = {}
+    for spec, (idx, int32), per_key in zip(layout.kjts, ex.out_lengths, ex.length_per_key, strict=True):
+        lengths = (blob.i32 if int32 else blob.i64)[idx]
+        if lengths.dtype != spec.lengths_dtype:
+            lengths = lengths.to(spec.lengths_dtype)
+        offsets = [0]
+        for n in per_key:
+            offsets.append(offsets[-1] + n)
+        fields[spec.name] = KeyedJaggedTensor(
+            keys=list(spec.keys), values=out[(spec.name, "values")], weights=out.get((spec.name, "weights")),
+            lengths=lengths, stride=b, length_per_key=list(per_key), offset_per_key=offsets)
     for d in layout.dense:
-        fields[d.name] = tensors[(d.name, "dense")].view(b, *d.shape)
-    return dataclasses.replace(batch, **fields, actual_batch_size=m)  # type: ignore[arg-type]
+        fields[d.name] = out[(d.name, "dense")].view(b, *d.shape)
+    return replace(batch, **fields, actual_batch_size=ex.num_out)
 
 
-def _all_padding(batch: BaseBatch, layout: WireLayout) -> BaseBatch:
-    """A batch of B padding samples with ``batch``'s schema."""
-    dev, b = batch.device, layout.batch_size
-    tensors: dict[tuple[str, str], torch.Tensor] = {
-        (s.field, s.kind): torch.zeros(b * s.width if s.kind == "dense" else 0, dtype=s.dtype, device=dev)
-        for s in layout.sections}
-    return _build(batch, layout, torch.zeros(0, layout.num_lengths, dtype=torch.int64, device=dev), tensors)
-
-
-# ----------------------------------------------------------- redistribution
-def redistribute_all2all(
-    batch: BaseBatch, layout: WireLayout, plan: RankPlan, pg: dist.ProcessGroup
-) -> tuple[BaseBatch, Traffic]:
-    """Move the samples that change rank with two ``all_to_all_single`` calls.
-
-    Example (W=2, B=2, one KJT key ``a``, values only; rank 0 keeps its sample
-    0 and gives sample 1 to rank 1, rank 1 gives its sample 0 to rank 0)::
-
-        rank0 in:  a lengths [2, 1]  values [x, y, z]    rank1 in:  a lengths [1, 0]  values [u]
-        1) lengths a2a  rank0 sends [[1]] to rank1;  rank1 sends [[1]] to rank0
-        2) payload a2a  rank0 sends [z] to rank1;    rank1 sends [u] to rank0
-        rank0 out: a lengths [2, 1]  values [x, y, u]    rank1 out: a lengths [1, 0]  values [z]
-
-    Receive sizes of 1) come from the plan, of 2) from the lengths received in
-    1). Samples that stay, and padding, are never sent; padding is recreated
-    locally at the end.
-
-    Returns:
-        The output batch (real samples in ``plan.sources`` order, then padding)
-        and this rank's network traffic.
-    """
-    dev, k, r, w = batch.device, layout.num_lengths, plan.rank, plan.send_counts.size
-    ends = np.cumsum(plan.send_counts)
-    groups = [plan.send_order[ends[d] - plan.send_counts[d] : ends[d]] for d in range(w)]
-    keep, groups[r] = groups[r], groups[r][:0]
-    send_counts, recv_counts = plan.send_counts.copy(), plan.recv_counts.copy()
-    send_counts[r] = recv_counts[r] = 0
-    lengths = lengths_matrix(batch, layout)
-    # Host copies: split sizes and gather sizes are host integers (a sync on CUDA).
-    lengths_h = lengths.cpu().numpy()
-    out_order = torch.from_numpy(np.concatenate(groups)).to(dev)
-    recv_len = all_to_all_uneven(lengths.t().index_select(0, out_order).reshape(-1),
-                                 (send_counts * k).tolist(), (recv_counts * k).tolist(), pg).view(-1, k)
-    recv_len_h = recv_len.cpu().numpy()
-    packed, send_bytes = _pack(batch, layout, lengths, lengths_h, groups)
-    starts = np.concatenate([[0], np.cumsum(recv_counts)])
-    recv_bytes = _chunk_bytes(layout, recv_len_h, starts).sum((1, 2))
-    recv = all_to_all_uneven(packed, send_bytes.tolist(), recv_bytes.tolist(), pg)
-    out = _assemble(batch, layout, lengths, lengths_h, keep, r, recv, recv_len, recv_len_h, recv_counts)
-    traffic = Traffic(
-        samples_sent=int(send_counts.sum()), samples_received=int(recv_counts.sum()),
-        bytes_sent=int(send_counts.sum() * k * 8 + send_bytes.sum()),
-        bytes_received=int(recv_counts.sum() * k * 8 + recv_bytes.sum()),
-    )
-    return out, traffic
-
-
-def redistribute_allgather(
-    batch: BaseBatch, layout: WireLayout, plan: RankPlan, real: np.ndarray, pg: dist.ProcessGroup
-) -> tuple[BaseBatch, Traffic]:
-    """Gather every rank's batch with two ``all_gather_single`` calls, then select.
-
-    Example (W=2, B=2, one KJT key ``a``; rank 0 gets global samples [0, 2])::
-
-        rank0 in:  a lengths [2, 1]  values [x, y, z]    rank1 in:  a lengths [1, 0]  values [u]
-        1) lengths all-gather (fixed [W, B * K]):  both get [[2, 1], [1, 0]]
-        2) payload all-gather, padded to the largest rank (3 values):
-                   both get [[x, y, z], [u, 0, 0]]
-        rank0 out: a lengths [2, 1]  values [x, y, u]    (global samples 0 and 2)
-
-    Every rank sends its whole batch to every rank: simpler and fewer,
-    larger messages than :func:`redistribute_all2all`, but W times the traffic.
-    An independent implementation (global batch + ``index_select``); both
-    return bit-identical batches.
+def execute(batch: Any, layout: WireLayout, ex: Exchange, group: Any, replace: Any) -> tuple[Any, float]:
+    """Run phase 2: pack, one collective, assemble. Reads no device value.
 
     Args:
-        real: [W] real samples per rank.
+        batch: this rank's batch (the one phase 1 described).
+        ex: this rank's plan.
+        group: where the collective runs (:meth:`ShuffleGroups.phase2_group`).
+        replace: ``(batch, **fields) -> batch`` building the output.
 
     Returns:
-        The same batch :func:`redistribute_all2all` returns, and this rank's
-        traffic.
+        The output batch and the seconds spent in the collective call.
     """
-    dev, k, b = batch.device, layout.num_lengths, layout.batch_size
-    w, r = real.size, plan.rank
-    glen = all_gather_fixed(lengths_matrix(batch, layout).t().reshape(-1), pg).view(w * b, k)
-    per_key = _chunk_bytes(layout, glen.cpu().numpy(), np.arange(w + 1) * b)  # [W, S, K] bytes
-    width = int(per_key.sum((1, 2)).max(initial=0))
-    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
-    mine = [opaque(section_tensor(batch, s)).view(torch.uint8) for s in layout.sections]
-    if mine:
-        src = torch.cat(mine)
-        buf[: src.numel()] = src
-    rows = all_gather_fixed(buf, pg)  # [W, width]
-    starts = (np.cumsum(per_key.reshape(w, -1), axis=1) - per_key.reshape(w, -1)).reshape(per_key.shape)
-    tensors: dict[tuple[str, str], torch.Tensor] = {}
-    for j, s in enumerate(layout.sections):
-        # Key-major over global samples: for each key, rank 0's run, rank 1's, ...
-        pieces = [rows[src, starts[src, j, key] : starts[src, j, key] + per_key[src, j, key]]
-                  for key in range(s.count) for src in range(w)]
-        tensors[(s.field, s.kind)] = torch.cat(pieces).view(s.dtype)
-    fields: dict[str, torch.Tensor | KeyedJaggedTensor] = {}
-    for kj in layout.kjts:
-        fields[kj.name] = KeyedJaggedTensor(
-            keys=list(kj.keys), values=tensors[(kj.name, "values")],
-            weights=tensors.get((kj.name, "weights")),
-            lengths=glen[:, kj.row : kj.row + len(kj.keys)].t().reshape(-1).to(kj.lengths_dtype))
-    for d in layout.dense:
-        fields[d.name] = tensors[(d.name, "dense")].view(w * b, *d.shape)
-    everything = dataclasses.replace(batch, **fields, batch_size=w * b,  # type: ignore[arg-type]
-                                     actual_batch_size=w * b)
-    m = plan.num_out
-    if m == 0:
-        out = _all_padding(batch, layout)
+    blob = ex.blob.to(batch.device)
+    send = pack(batch, layout, ex, blob)
+    buf = receive_buffer(ex, batch.device)
+    t0 = time.perf_counter()
+    if ex.comm == "all2all":
+        dist.all_to_all_single(buf[: ex.recv_bytes], send, list(ex.recv_splits), list(ex.send_splits),
+                               group=group)
     else:
-        picked = everything.index_select(torch.from_numpy(plan.sources).to(dev), actual_batch_size=m)
-        out = pad_batch(picked, b)
-    nbytes = (w - 1) * (b * k * 8 + width)
-    traffic = Traffic(samples_sent=int((w - 1) * real[r]), samples_received=int(real.sum() - real[r]),
-                      bytes_sent=int(nbytes), bytes_received=int(nbytes))
-    return out, traffic
+        _all_gather_into(buf[: ex.recv_bytes], send, group)
+    collective_s = time.perf_counter() - t0
+    return assemble(batch, layout, ex, blob, buf, replace), collective_s

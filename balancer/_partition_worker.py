@@ -15,7 +15,10 @@ undisturbed, and the calling thread needs the GIL once, to decode the answer.
 Validation happens in the child; its ``ValueError`` is re-raised here.
 
 Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
-flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes];
+flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes] (flag
+1: homes and sizes follow; flag 2: partition :func:`balancer._quantize.quantize`
+of the workloads, the shuffler's scale-free integers, while the bound stays in
+workload units);
 reply ``<qqqd`` = (status, length, compute nanoseconds, lower bound) then
 either ``n`` int64 (rows, part-major) or a UTF-8 error message. The child also
 computes ``lower_bound`` (statistics only), so the caller's thread need not.
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PartitionHandle", "PartitionWorker"]
+__all__ = ["PartitionHandle", "PartitionWorker", "solve"]
 
 _REQ = struct.Struct("<qqqq")
 _REP = struct.Struct("<qqqd")
@@ -67,10 +70,33 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _serve(fd_in: int, fd_out: int) -> None:
-    """Child loop: answer requests until stdin closes."""
+def solve(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
+          sizes: np.ndarray | None = None, quantized: bool = False) -> tuple[np.ndarray, float, float]:
+    """``balanced_partition`` (+ ``localize`` with ``home``) as ``[num_parts, B]``
+    int64 rows, its compute seconds, and ``lower_bound`` of ``workloads``.
+
+    With ``quantized`` the partition runs on :func:`balancer._quantize.quantize`
+    of the workloads. The child process and the shuffler's in-process fallback
+    both call this, so they return the same rows.
+    """
+    from balancer._quantize import quantize
     from balancer.partition import balanced_partition, lower_bound
 
+    t0 = time.perf_counter()
+    x = quantize(workloads) if quantized else workloads
+    rows = np.asarray(balanced_partition(x, num_parts, home, sizes), dtype="<i8")
+    seconds = time.perf_counter() - t0
+    if not quantized:
+        return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))
+    # The bound is homogeneous; computing it on x / max keeps any scale (even
+    # costs whose sum exceeds lower_bound's integer range) in range.
+    top = float(np.max(workloads, initial=0.0))
+    bound = float(lower_bound(np.asarray(workloads, np.float64) / top, num_parts)) * top if top > 0 else 0.0
+    return rows.reshape(num_parts, -1), seconds, bound
+
+
+def _serve(fd_in: int, fd_out: int) -> None:
+    """Child loop: answer requests until stdin closes."""
     while True:
         try:
             head = _read_exact(fd_in, _REQ.size)
@@ -84,10 +110,8 @@ def _serve(fd_in: int, fd_out: int) -> None:
             sizes = np.frombuffer(_read_exact(fd_in, 8 * n), np.float64)
         t0 = time.perf_counter_ns()
         try:
-            rows = np.asarray(balanced_partition(x, w, home, sizes), dtype="<i8")
-            ns = time.perf_counter_ns() - t0
-            bound = float(lower_bound(x, w))
-            _write_all(fd_out, _REP.pack(0, rows.nbytes, ns, bound) + rows.tobytes())
+            rows, seconds, bound = solve(x, w, home, sizes, bool(flags & 2))
+            _write_all(fd_out, _REP.pack(0, rows.nbytes, int(seconds * 1e9), bound) + rows.tobytes())
         except (ValueError, TypeError) as e:
             msg = str(e).encode()
             _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0, 0.0) + msg)
@@ -166,8 +190,11 @@ class PartitionWorker:
         return self.submit(workloads, num_parts, home, sizes).wait()
 
     def submit(self, workloads: Any, num_parts: int, home: Any = None,
-               sizes: Any = None) -> PartitionHandle:
-        """Send a request and return at once; :meth:`PartitionHandle.wait` collects it."""
+               sizes: Any = None, *, quantized: bool = False) -> PartitionHandle:
+        """Send a request and return at once; :meth:`PartitionHandle.wait` collects it.
+
+        ``quantized``: partition the scale-free integers of :func:`solve`.
+        """
         arr = np.asarray(workloads)
         if arr.dtype.kind in "biu":
             code, arr = 0, arr.astype("<i8", copy=False)
@@ -178,7 +205,7 @@ class PartitionWorker:
         n, w = arr.size, int(num_parts)
         if w < 1:
             raise ValueError(f"num_parts={num_parts}, expected >= 1")
-        chunks = [_REQ.pack(n, w, code, int(home is not None)), arr.tobytes()]
+        chunks = [_REQ.pack(n, w, code, int(home is not None) | (2 if quantized else 0)), arr.tobytes()]
         if home is not None:
             chunks.append(np.asarray(home, dtype="<i8").tobytes())
             sz = np.ones(n) if sizes is None else np.asarray(sizes, dtype="<f8")

@@ -26,6 +26,7 @@ every operation.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -42,6 +43,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["BaseBatch", "pad_batch"]
 
 _B = TypeVar("_B", bound="BaseBatch")
+
+# False while the library builds a batch it constructed correct by design (a
+# shuffle's output): its padding contents are not re-read, which on the CPU is a
+# value read in the caller's per-step path.
+_CHECK_CONTENTS: contextvars.ContextVar[bool] = contextvars.ContextVar("balancer_check_contents", default=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -94,7 +100,7 @@ class BaseBatch(Pipelineable):
         missing = [n for n in self.contextual_feature_names if n not in keys]
         if missing:
             raise ValueError(f"contextual_feature_names {missing} are not keys of features {keys}")
-        self.validate(contents=self._on_cpu())
+        self.validate(contents=self._on_cpu() and _CHECK_CONTENTS.get())
 
     # ------------------------------------------------------------------ fields
     def kjt_fields(self) -> dict[str, KeyedJaggedTensor]:
@@ -260,6 +266,19 @@ class BaseBatch(Pipelineable):
             batch_size=m,
             actual_batch_size=actual_batch_size,
         )
+
+
+def replace_unchecked(batch: _B, **changes: Any) -> _B:
+    """``dataclasses.replace`` that checks shapes but reads no tensor value.
+
+    For batches the library built correct by construction (the shuffle's
+    output): the padding-content check of ``__post_init__`` reads values.
+    """
+    token = _CHECK_CONTENTS.set(False)
+    try:
+        return dataclasses.replace(batch, **changes)
+    finally:
+        _CHECK_CONTENTS.reset(token)
 
 
 def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:

@@ -37,6 +37,12 @@ def check_interval(owner: str, field: str, value: object) -> None:
         raise ValueError(f"{owner}: {field}={value!r}, expected an int >= 0")
 
 
+def check_timeout(owner: str, field: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a finite number of seconds > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{owner}: {field}={value!r}, expected a finite number of seconds > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class BalancerConfig:
     """How (and whether) batches are rebalanced between data-parallel ranks.
@@ -93,6 +99,14 @@ class BalancerConfig:
     by a Python-busy main thread), or ``"auto"``: ``"process"`` for
     ``"balanced"``, else ``"thread"``. See ``BatchShuffler``."""
 
+    shuffle_timeout_s: float = 300.0
+    """Seconds a shuffle waits for its peers before every waiting rank raises
+    ``balancer.ShuffleAbortedError`` naming the phase and the missing ranks
+    (well under the process group's own timeout: 30 min for gloo, 10 min for
+    NCCL). Keep it above the longest time one rank may spend elsewhere between
+    two steps (a checkpoint, an evaluation). Phase 2 of batches on CUDA runs on
+    the NCCL group itself, whose own timeout applies there."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -102,3 +116,4 @@ class BalancerConfig:
         check_interval(me, "log_interval", self.log_interval)
         check_choice(me, "executor", self.executor, EXECUTORS)
         check_choice(me, "pipeline", self.pipeline, _PIPELINES)
+        check_timeout(me, "shuffle_timeout_s", self.shuffle_timeout_s)

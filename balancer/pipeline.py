@@ -1,18 +1,26 @@
 """TorchRec train pipelines that balance every batch before its input dist.
 
-A batch is rebalanced on the memcpy stream between its host-to-device copy and
-its sparse data dist (``ShardedModule.input_dist``), in two phases split around
-the forward of the batch being trained, so the partition runs on the host
-while the device computes. Step ``i`` of :class:`BalancedTrainPipelineSparseDist`:
+A batch is rebalanced between its arrival from the data loader and its sparse
+data dist (``ShardedModule.input_dist``), in two phases split around the
+forward of the batch being trained, so the exchange of metadata and the
+partition run in the background while the device computes. Step ``i`` of
+:class:`BalancedTrainPipelineSparseDist`:
 
 1. ``start_sparse_data_dist(batch i+1)``: input dist of a batch shuffled during
    step ``i-1``.
-2. ``enqueue_batch``: copy batch ``i+2`` to the device (memcpy stream), then
-   **phase 1**: workloads, one all-gather, partition submitted to a thread.
-3. ``forward(batch i)``; the partition of batch ``i+2`` runs meanwhile.
-4. **phase 2** (right after the forward): redistribute batch ``i+2``; it
-   replaces the unshuffled batch in the pipeline queue.
+2. ``enqueue_batch``: batch ``i+2`` comes from the data loader; **phase 1**
+   runs on that host batch (workloads and lengths are host data, so nothing is
+   read from the device), then TorchRec copies it to the device (memcpy
+   stream). The shuffler's background thread all-gathers the metadata over a
+   gloo group, partitions and plans phase 2.
+3. ``forward(batch i)``; the background work for batch ``i+2`` runs meanwhile.
+4. **phase 2** (right after the forward, on the memcpy stream): one
+   collective redistributes the device copy of batch ``i+2``; it replaces the
+   unshuffled batch in the pipeline queue.
 5. ``wait_sparse_data_dist(batch i+1)``, backward, optimizer step of batch ``i``.
+
+No step of this reads a device value on the host: the pipeline never waits
+for the device because of balancing.
 
 :class:`BalancedPrefetchTrainPipelineSparseDist` uses the same hooks on
 TorchRec's ``PrefetchTrainPipelineSparseDist`` (CUDA only: TorchRec skips its
@@ -24,16 +32,17 @@ The one rule for every hook order: a batch's input dist starts only after its
 shuffle finished. :meth:`~BalancedTrainPipelineSparseDist.start_sparse_data_dist`
 and ``_init_pipelined_modules`` finish a pending shuffle first; with
 ``enqueue_batch_after_forward=True`` phase 1 therefore runs after the forward and
-phase 2 in the next step's ``start_sparse_data_dist`` (the partition overlaps
-the backward instead).
+phase 2 in the next step's ``start_sparse_data_dist`` (the background work
+overlaps the backward instead).
 
-Collective order: every shuffle is a collective on the data-parallel group;
+Collective order: phase 2 is a collective on the data-parallel group;
 TorchRec's input/output dists and DDP's gradient all-reduce use the sharding
 group (possibly another communicator). All are issued from the calling thread
 in the same program order on every rank, and on CUDA stream waits make the
-device run them in that order too (see
-``_fence_before_shuffle``). Every rank must therefore draw the same number of
-batches (pad the last one with :func:`balancer.pad_batch`).
+device run them in that order too (see ``_fence_before_exchange``). Phase 1's
+collective runs on the shuffler's own gloo group, which no other thread uses.
+Every rank must draw the same number of batches (pad the last one with
+:func:`balancer.pad_batch`).
 """
 
 from __future__ import annotations
@@ -74,7 +83,8 @@ Shuffler = BatchShuffler | IdentityBatchShuffler
 
 @dataclasses.dataclass(frozen=True)
 class _PendingShuffle:
-    """A shuffle whose phase 1 ran; ``index`` is its batch's context index."""
+    """A shuffle whose phase 1 ran; ``index`` is its batch's context index,
+    ``batch`` its device copy (phase 2's input)."""
 
     index: int
     batch: BaseBatch
@@ -124,6 +134,7 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._shuffle_pg = pg
         self._communicates = not isinstance(shuffler, IdentityBatchShuffler)
         self._pending: collections.deque[_PendingShuffle] = collections.deque()
+        self._started: ShuffleHandle | None = None  # phase 1 of the batch being enqueued
         self._stats: dict[int, ShuffleStats] = {}
         self.last_step_stats: ShuffleStats | None = None
         # Phase 2 runs right after the forward of the current batch, whichever
@@ -143,11 +154,22 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         return self._shuffler
 
     # ------------------------------------------------------------ TorchRec hooks
+    def _next_batch(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The next host batch from the loader; its shuffle starts here (phase 1),
+        before TorchRec copies it to the device."""
+        batch = super()._next_batch(dataloader_iter)
+        if batch is not None:
+            self._started = self._start_shuffle(batch)
+        return batch
+
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
-        """Copy the next batch to the device and start its shuffle (phase 1)."""
+        """Copy the next batch to the device; its shuffle was started on the host batch."""
+        self._started = None
         if not super().enqueue_batch(dataloader_iter):
             return False
-        self._start_shuffle(self.batches[-1], self.contexts[-1])
+        if self._started is not None:
+            self._pending.append(_PendingShuffle(self.contexts[-1].index, self.batches[-1], self._started))
+            self._started = None
         return True
 
     def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
@@ -185,27 +207,25 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._shuffler.close()
 
     # ------------------------------------------------------------------ shuffles
-    def _start_shuffle(self, batch: Any, context: TrainPipelineContext) -> None:
+    def _start_shuffle(self, batch: Any) -> ShuffleHandle:
         if not isinstance(batch, BaseBatch):
             raise TypeError(
                 f"{type(self).__name__} needs balancer.BaseBatch batches, got {type(batch).__name__}"
             )
-        with record_function(f"## balancer.pipeline.start_shuffle {context.index} ##"):
-            self._fence_before_shuffle()
-            with _stream_ctx(self._memcpy_stream):
-                handle = self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg)
-            self._fence_after_shuffle()
-        self._pending.append(_PendingShuffle(context.index, batch, handle))
+        # A host batch: phase 1 issues no device work, so it needs no stream
+        # and no fence, and it reads nothing back from the device.
+        with record_function("## balancer.pipeline.start_shuffle ##"):
+            return self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg)
 
     def _finish_shuffles(self, until: int | None = None) -> None:
         """Run phase 2 of pending shuffles, oldest first (the shuffler's order)."""
         while self._pending and (until is None or self._pending[0].index <= until):
             p = self._pending.popleft()
             with record_function(f"## balancer.pipeline.finish_shuffle {p.index} ##"):
-                self._fence_before_shuffle()
+                self._fence_before_exchange()
                 with _stream_ctx(self._memcpy_stream):
                     shuffled = self._shuffler.finish_shuffle(p.batch, p.handle, pg=self._shuffle_pg)
-                self._fence_after_shuffle()
+                self._fence_after_exchange()
                 # The shuffled tensors were allocated on the memcpy stream but are
                 # read by the data-dist stream (input dist) and the default stream
                 # (forward); tell the caching allocator before any of them is freed.
@@ -235,24 +255,25 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         current = torch.get_device_module(self._device).current_stream()
         return [s for s in (current, self._data_dist_stream) if s is not None]
 
-    def _fence_before_shuffle(self) -> None:
-        # Collective-ordering hazard. The shuffler's collectives (DP group, memcpy
-        # stream) and TorchRec's (input dist on the data-dist stream, output dist
-        # and DDP's gradient all-reduce on the default stream; possibly other
-        # process groups, hence other NCCL communicators) are issued on the host
-        # in the same program order on every rank. On the device, though,
-        # collectives on different streams and communicators may *run* in any
-        # order: rank 0 could start a gradient all-reduce while rank 1 starts the
-        # shuffle's all-gather, and each waits forever for its peer. So every
-        # shuffler collective is fenced: its stream first waits for all work
+    def _fence_before_exchange(self) -> None:
+        # Collective-ordering hazard. Phase 2's collective (DP group, memcpy
+        # stream) and TorchRec's (input dist on the data-dist stream, output
+        # dist and DDP's gradient all-reduce on the default stream; possibly
+        # other process groups, hence other NCCL communicators) are issued on
+        # the host in the same program order on every rank. On the device,
+        # though, collectives on different streams and communicators may *run*
+        # in any order: rank 0 could start a gradient all-reduce while rank 1
+        # starts the shuffle's all-to-all, and each waits forever for its peer.
+        # So the exchange is fenced: the memcpy stream first waits for all work
         # issued before it on the default and data-dist streams (here), and
         # those streams wait for it before anything issued after it (in
-        # _fence_after_shuffle). The device then runs collectives in host
-        # program order, identical on every rank. The cost is not small: the
-        # host syncs inside the shuffle (phase 1's copy of the gathered
-        # message, phase 2's lengths) now also wait for everything queued
-        # before them on the default stream, so the host cannot run ahead of
-        # the device across a shuffle (not yet measured on a GPU).
+        # _fence_after_exchange). The device then runs collectives in host
+        # program order, identical on every rank. These are device-side waits
+        # only: nothing in the shuffle reads a device value on the host, so the
+        # host keeps running ahead. The price is on the device: the exchange
+        # cannot start before the forward queued ahead of it has finished.
+        # Phase 1 needs no fence: its collective runs on the shuffler's own gloo
+        # group, on host memory, in its background thread.
         # On CPU/gloo there are no streams; gloo matches collectives by issue
         # order per process group, which is again the same program order.
         if self._memcpy_stream is None or not self._communicates:
@@ -260,10 +281,10 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         for stream in self._consumer_streams():
             self._memcpy_stream.wait_stream(stream)
 
-    def _fence_after_shuffle(self) -> None:
-        # See _fence_before_shuffle: the default stream (forward/backward, loss
+    def _fence_after_exchange(self) -> None:
+        # See _fence_before_exchange: the default stream (forward/backward, loss
         # and gradient collectives) and the data-dist stream (input dist) must
-        # not run anything issued after the shuffle before the shuffle is done.
+        # not run anything issued after the exchange before it is done.
         if self._memcpy_stream is None or not self._communicates:
             return
         for stream in self._consumer_streams():
@@ -351,6 +372,7 @@ def create_train_pipeline(
             locality=config.locality,
             log_interval=config.log_interval,
             executor=config.executor,
+            timeout=config.shuffle_timeout_s,
         )
     else:
         shuffler = IdentityBatchShuffler()

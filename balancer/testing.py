@@ -152,3 +152,73 @@ def run_workers(
         text = "\n".join(f"--- rank {e.rank}: {e.type_name}: {e.message}\n{e.traceback}" for e in errors)
         raise AssertionError(f"{len(errors)} rank(s) failed:\n{text}")
     return outs
+
+
+# ------------------------------------------------------------ host reads
+_READS = {
+    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+    "__array__", "__repr__", "__format__", "__str__", "nonzero", "argwhere", "masked_select", "unique",
+    "unique_consecutive", "equal", "allclose", "is_nonzero",
+}
+
+
+def _names_cpu(value: Any) -> bool:
+    return (isinstance(value, torch.device) and value.type == "cpu") or value == "cpu"
+
+
+class HostReadRecorder(torch.overrides.TorchFunctionMode):
+    """Records every torch call on this thread that reads tensor values on the host.
+
+    On CUDA each of these blocks the host until the device has drained the
+    queue (a synchronisation); on the CPU they are cheap, so a CPU test cannot
+    time them, but it can see them. Torch function modes are thread-local:
+    other threads (the shuffler's background thread) are not recorded.
+
+    Recorded: ``item``, ``tolist``, ``numpy``, ``cpu`` and ``to``/``copy_`` to
+    the CPU without ``non_blocking``, ``bool``/``int``/``float`` of a tensor,
+    printing one, ``nonzero``/``argwhere``/``masked_select``/``unique``,
+    ``equal``/``allclose``, indexing with a boolean tensor, and
+    ``repeat_interleave`` with tensor repeats but no ``output_size``.
+
+    Example::
+
+        with HostReadRecorder() as reads:
+            out = shuffler.shuffle(batch)
+        assert not reads.calls, reads.calls
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self._reads(name, args, kwargs):
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _reads(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+        if name in _READS:
+            return True
+        if name in ("to", "copy_"):
+            if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True and name == "copy_"):
+                return False
+            targets = [kwargs.get("device"), *args[1:2]]
+            if name == "copy_":
+                dst = args[0] if args else None
+                return isinstance(dst, torch.Tensor) and dst.device.type == "cpu" and \
+                    isinstance(args[1], torch.Tensor) and args[1].device.type != "cpu"
+            return any(_names_cpu(t) for t in targets if t is not None)
+        if name == "repeat_interleave":
+            repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+            return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+        if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
+            index = args[1] if len(args) > 1 else None
+            items = index if isinstance(index, (tuple, list)) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+        return False
+
+
+__all__ += ["HostReadRecorder"]

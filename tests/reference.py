@@ -14,3 +14,13 @@ def greedy(workloads: np.ndarray, num_parts: int) -> list[list[int]]:
         parts[r].append(i)
         loads[r] += int(workloads[i])
     return parts
+
+
+def scale_free(workloads: np.ndarray) -> np.ndarray:
+    """What a shuffler hands its partition function: integers proportional to
+    the workloads, the largest 2**26 (written independently of balancer._quantize)."""
+    x = np.asarray(workloads, dtype=np.float64)
+    top = x.max() if x.size else 0.0
+    if top <= 0:
+        return np.zeros(x.size, np.int64)
+    return np.array([round(v / top * 2**26) for v in x], dtype=np.int64)

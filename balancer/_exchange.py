@@ -1,0 +1,256 @@
+"""Phase 2 planned on the host: every byte count, offset and index of the one collective.
+
+Phase 1 gave every rank the lengths of every sample, so before phase 2 starts
+each rank knows, as host integers, what it sends, what it receives and where
+every element of its output comes from. This module turns a
+:class:`~balancer._plan.RankPlan` into an :class:`Exchange`: pure numpy, run in
+the shuffler's background thread, so the calling thread only executes it.
+
+Wire format. Each section's bytes (:class:`~balancer._layout.Section`) form a
+block padded to 8 bytes, so every block can be viewed as its own dtype:
+
+* ``all2all``: the chunk for destination ``d`` holds, section by section, the
+  section's elements of the samples sent to ``d`` (KJT sections key-major,
+  then by sample). The chunk a rank sends itself carries the samples it keeps,
+  so its output is assembled from one buffer.
+* ``allgather``: every rank contributes its whole batch, section by section,
+  padded to the largest rank's size.
+
+The receive buffer ends in a zero tail; dense padding rows of the output are
+copied from it, so one gather per section builds a complete output tensor.
+Output lengths never travel: they are known here and uploaded with the
+indices.
+
+Example (W=2, B=2, one KJT key, int64 values; rank 0 keeps its sample 0 and
+sends sample 1 (3 values) to rank 1; rank 1 sends its sample 0 (1 value))::
+
+    rank0: send_splits [8, 24]  recv_splits [8, 8]   out values: [own s0 | r1 s0]
+    rank1: send_splits [8, 0]   recv_splits [24, 0]  out values: [r0 s1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from balancer._layout import Section, WireLayout
+from balancer._plan import Gathered, RankPlan
+from balancer._runs import FrozenBlob, IndexBlob, RunGather, plan_runs
+
+__all__ = ["Exchange", "Traffic", "plan_exchange"]
+
+
+def _pad8(n: np.ndarray) -> np.ndarray:
+    """Byte counts rounded up to whole 8-byte words (every block can then be
+    viewed as any dtype)."""
+    return (n + 7) // 8 * 8
+
+
+def _pad8i(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What this rank's phase-2 collective moved between ranks (its own chunk excluded)."""
+
+    samples_sent: int = 0
+    samples_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """Phase 2 of one rank, ready to execute (see :mod:`balancer._comm`).
+
+    Attributes:
+        comm: ``"all2all"`` or ``"allgather"``.
+        blob: every index array, one host buffer per dtype.
+        pack: per section, the gather of its outgoing elements from the local
+            tensor (``all2all``); ``None`` where the whole tensor is sent.
+        pieces: the send buffer as ``(section, byte offset, bytes)`` slices of
+            each section's outgoing bytes; section ``-1`` is zero padding.
+        send_splits, recv_splits: bytes per destination / source
+            (``allgather``: the per-rank width, once).
+        recv_bytes: bytes the collective writes; ``tail``: zero bytes after them.
+        out: per section, the gather of its output from the received buffer.
+        out_lengths: per KJT field, the blob index of its ``[K * B]`` lengths and
+            whether they are int32 (else int64).
+        length_per_key: per KJT field, elements per key of the output.
+        num_out: real samples of the output.
+        traffic: what crosses to other ranks.
+    """
+
+    comm: Literal["all2all", "allgather"]
+    blob: FrozenBlob
+    pack: tuple[RunGather | None, ...]
+    pieces: tuple[tuple[int, int, int], ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv_bytes: int
+    tail: int
+    out: tuple[RunGather, ...]
+    out_lengths: tuple[tuple[int, bool], ...]
+    length_per_key: tuple[tuple[int, ...], ...]
+    num_out: int
+    traffic: Traffic
+
+
+def _starts(lengths_kb: np.ndarray) -> np.ndarray:
+    """Element offsets ``[K, B]`` of each (key, sample) in a key-major jagged tensor."""
+    flat = lengths_kb.reshape(-1)
+    return (np.cumsum(flat) - flat).reshape(lengths_kb.shape)
+
+
+def _section_lengths(s: Section, lengths: np.ndarray) -> np.ndarray:
+    """[K_s, B] elements per (key, sample) of section ``s`` on one rank (dense: 1 key)."""
+    if s.jagged:
+        return lengths[s.row : s.row + s.count]
+    return np.full((1, lengths.shape[1]), s.width, np.int64)
+
+
+def _tail_bytes(layout: WireLayout) -> int:
+    need = [layout.batch_size * s.width * s.itemsize for s in layout.sections if not s.jagged]
+    return _pad8i(max(need, default=0))
+
+
+def plan_exchange(comm: str, layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+    """This rank's :class:`Exchange` for ``comm``; ``blob`` is pinned by the caller."""
+    if comm == "all2all":
+        return _plan_all2all(layout, g, plan)
+    return _plan_allgather(layout, g, plan)
+
+
+def _plan_all2all(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+    w, b, me = g.world_size, g.batch_size, plan.rank
+    secs = layout.sections
+    blob = IndexBlob()
+    dest_of = np.repeat(np.arange(w), plan.send_counts)  # per sample in send order
+    # --- send side: per section, outgoing elements in (destination, key, sample) order
+    sent = np.zeros((w, len(secs)), np.int64)  # elements per (destination, section)
+    packs: list[RunGather | None] = []
+    for j, s in enumerate(secs):
+        lk = _section_lengths(s, g.lengths[me])  # [K_s, B]
+        st = _starts(lk) if s.jagged else np.arange(b)[None, :] * s.width
+        kk, pos = np.meshgrid(np.arange(lk.shape[0]), np.arange(plan.send_order.size), indexing="ij")
+        order = np.lexsort((pos.reshape(-1), kk.reshape(-1), dest_of[pos].reshape(-1)))
+        local = plan.send_order[pos.reshape(-1)][order]
+        keys = kk.reshape(-1)[order]
+        lens = lk[keys, local]
+        packs.append(plan_runs(blob, int(lk.sum()) if s.jagged else b * s.width, st[keys, local], lens))
+        sent[:, j] = np.bincount(dest_of[pos.reshape(-1)][order], weights=lens, minlength=w).astype(np.int64)
+    items = np.array([s.itemsize for s in secs], np.int64)
+    send_bytes = sent * items  # [W, S]
+    pieces, offsets = [], np.zeros(len(secs), np.int64)
+    for d in range(w):
+        for j in range(len(secs)):
+            n = int(send_bytes[d, j])
+            if n:
+                pieces.append((j, int(offsets[j]), n))
+                offsets[j] += n
+            pad = _pad8i(n) - n
+            if pad:
+                pieces.append((-1, 0, pad))
+    send_splits = _pad8(send_bytes).sum(axis=1)
+    # --- receive side: elements per (source, section, key) of what comes here
+    src_of, idx_of = plan.sources // b, plan.sources % b
+    recv = np.zeros((w, len(secs)), np.int64)
+    rel = []
+    for j, s in enumerate(secs):
+        per = g.lengths[src_of, s.row : s.row + s.count, idx_of].T if s.jagged else \
+            np.full((1, plan.num_out), s.width, np.int64)  # [K_s, M]
+        # Within a source's block: key-major, then by sample: offset of (k, i) =
+        # this key's elements of the earlier samples of that source, plus all
+        # elements of the earlier keys from that source.
+        by_key = np.zeros((w, per.shape[0]), np.int64)
+        for k in range(per.shape[0]):
+            by_key[:, k] = np.bincount(src_of, weights=per[k], minlength=w).astype(np.int64)
+        key_base = np.cumsum(by_key, axis=1) - by_key  # [W, K_s]
+        first = np.searchsorted(src_of, np.arange(w))  # first output position of each source
+        within = np.cumsum(per, axis=1) - per  # [K_s, M] running count over all sources
+        within -= within[:, first[src_of]] if per.size else 0
+        rel.append(key_base[src_of].T + within)
+        recv[:, j] = by_key.sum(axis=1)
+    recv_bytes_ws = recv * items
+    recv_splits = _pad8(recv_bytes_ws).sum(axis=1)
+    padded = _pad8(recv_bytes_ws).reshape(-1)
+    base_bytes = (np.cumsum(padded) - padded).reshape(w, len(secs))
+    total = int(recv_splits.sum())
+    tail = _tail_bytes(layout)
+    base = base_bytes // items[None, :]
+    outs, out_lengths, per_key = _assemble_plan(layout, g, plan, blob, base, rel, total + tail, total)
+    others = np.arange(w) != me
+    traffic = Traffic(int(plan.send_counts[others].sum()), int(plan.recv_counts[others].sum()),
+                      int(send_splits[others].sum()), int(recv_splits[others].sum()))
+    return Exchange("all2all", blob.freeze(False), tuple(packs), tuple(pieces),
+                    tuple(int(x) for x in send_splits), tuple(int(x) for x in recv_splits), total, tail,
+                    tuple(outs), tuple(out_lengths), tuple(per_key), plan.num_out, traffic)
+
+
+def _assemble_plan(layout: WireLayout, g: Gathered, plan: RankPlan, blob: IndexBlob, base: np.ndarray,
+                   rel: list[np.ndarray], buffer_bytes: int, tail_at: int
+                   ) -> tuple[list[RunGather], list[tuple[int, bool]], list[tuple[int, ...]]]:
+    """Output gathers (order: key, then output sample) and output lengths."""
+    b, m = g.batch_size, plan.num_out
+    src_of, idx_of = plan.sources // b, plan.sources % b
+    outs = []
+    for j, s in enumerate(layout.sections):
+        e = s.itemsize
+        per = g.lengths[src_of, s.row : s.row + s.count, idx_of].T if s.jagged else \
+            np.full((1, m), s.width, np.int64)
+        starts = base[src_of, j][None, :] + rel[j]
+        run_starts, run_lens = starts.reshape(-1), per.reshape(-1)
+        if not s.jagged:  # padding rows come from the zero tail
+            run_starts = np.append(run_starts, tail_at // e)
+            run_lens = np.append(run_lens, (b - m) * s.width)
+        outs.append(plan_runs(blob, buffer_bytes // e, run_starts, run_lens))
+    out_lengths, per_key = [], []
+    for k in layout.kjts:
+        out = np.zeros((len(k.keys), b), np.int64)
+        out[:, :m] = g.lengths[src_of, k.row : k.row + len(k.keys), idx_of].T
+        int32 = str(k.lengths_dtype) == "torch.int32"
+        out_lengths.append((blob.add32(out) if int32 else blob.add64(out), int32))
+        per_key.append(tuple(int(v) for v in out.sum(axis=1)))
+    return outs, out_lengths, per_key
+
+
+def _plan_allgather(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+    w, b, me = g.world_size, g.batch_size, plan.rank
+    secs = layout.sections
+    blob = IndexBlob()
+    items = np.array([s.itemsize for s in secs], np.int64)
+    numel = np.zeros((w, len(secs)), np.int64)  # every rank's whole section sizes
+    for j, s in enumerate(secs):
+        numel[:, j] = g.lengths[:, s.row : s.row + s.count].sum(axis=(1, 2)) if s.jagged else b * s.width
+    block = _pad8(numel * items)  # [W, S]
+    width = int(block.sum(axis=1).max(initial=0))
+    pieces = []
+    for j in range(len(secs)):
+        n = int(numel[me, j] * items[j])
+        if n:
+            pieces.append((j, 0, n))
+        if int(block[me, j]) - n:
+            pieces.append((-1, 0, int(block[me, j]) - n))
+    if width - int(block[me].sum()):
+        pieces.append((-1, 0, width - int(block[me].sum())))
+    base_bytes = np.arange(w)[:, None] * width + (np.cumsum(block, axis=1) - block)
+    base = base_bytes // items[None, :]
+    src_of, idx_of = plan.sources // b, plan.sources % b
+    rel = []
+    for s in secs:
+        if s.jagged:
+            starts_all = np.stack([_starts(g.lengths[r, s.row : s.row + s.count]) for r in range(w)])
+            rel.append(starts_all[src_of, :, idx_of].T)  # [K_s, M]
+        else:
+            rel.append((idx_of * s.width)[None, :])
+    total = w * width
+    tail = _tail_bytes(layout)
+    outs, out_lengths, per_key = _assemble_plan(layout, g, plan, blob, base, rel, total + tail, total)
+    real_me = int(g.real[me])
+    traffic = Traffic((w - 1) * real_me, int(g.real.sum()) - real_me, (w - 1) * width, (w - 1) * width)
+    return Exchange("allgather", blob.freeze(False), tuple(None for _ in secs), tuple(pieces), (width,),
+                    (width,), total, tail, tuple(outs), tuple(out_lengths), tuple(per_key), plan.num_out,
+                    traffic)

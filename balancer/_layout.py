@@ -1,0 +1,225 @@
+"""How a batch travels: its fields as wire sections, and a schema every rank must share.
+
+A batch is a set of per-sample tensors. On the wire each tensor is a *section*:
+
+* a KJT field's ``values`` (and ``weights``): jagged, sample ``i`` of key ``k``
+  holds ``lengths[k, i]`` elements, stored key-major (all samples of key 0,
+  then key 1, ...);
+* a dense field ``[B, *shape]``: every sample holds ``width = prod(shape)``
+  elements, stored sample-major.
+
+The per-sample lengths of every KJT key form one ``[K_total, B]`` matrix
+(``K_total`` keys over all KJT fields, in declaration order); a KJT section owns
+rows ``[row, row + count)`` of it. The lengths never travel in phase 2: every
+rank learns all of them in phase 1, so every size of phase 2 is a host integer.
+
+:func:`wire_layout` re-derives all of this from the batch's tensors at every
+shuffle -- nothing is trusted from construction -- and :func:`layout_problems`
+reports what makes a batch unshufflable (a dense field whose first dimension is
+not ``B``, values that do not match their lengths, ...) without raising, so the
+rank can still tell its peers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Literal
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
+    "opaque", "wire_layout",
+]
+
+OPAQUE = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
+"""Per element size, the dtype whose bits a gather copies (see :func:`opaque`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KJTSpec:
+    """One KJT field: its ``keys`` own rows ``[row, row + len(keys))`` of the
+    ``[K_total, B]`` lengths matrix."""
+
+    name: str
+    keys: tuple[str, ...]
+    row: int
+    lengths_dtype: torch.dtype
+    values_dtype: torch.dtype
+    weights_dtype: torch.dtype | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """One dense field ``[B, *shape]``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One tensor of the batch on the wire.
+
+    Attributes:
+        field: the batch field it belongs to.
+        part: ``"values"`` or ``"weights"`` of a KJT field, or ``"dense"``.
+        dtype: its dtype; ``itemsize`` its element size in bytes.
+        row: first row of its keys in the lengths matrix (``-1`` for dense).
+        count: number of keys (1 for dense).
+        width: elements per sample of a dense section (0 for KJT sections,
+            whose elements per sample are their lengths).
+    """
+
+    field: str
+    part: Literal["values", "weights", "dense"]
+    dtype: torch.dtype
+    itemsize: int
+    row: int
+    count: int
+    width: int
+
+    @property
+    def jagged(self) -> bool:
+        return self.part != "dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+    """A batch's wire format and its schema.
+
+    Attributes:
+        batch_class: ``module.qualname`` of the batch type.
+        batch_size: samples per batch, B.
+        kjts: KJT fields in declaration order.
+        dense: dense fields in declaration order.
+        sections: every tensor, KJT fields first (values, then weights), then dense.
+        num_lengths: K_total, rows of the lengths matrix.
+        fingerprint: int64 hash of :meth:`describe`; equal on two ranks iff their
+            batches can be merged sample by sample.
+    """
+
+    batch_class: str
+    batch_size: int
+    kjts: tuple[KJTSpec, ...]
+    dense: tuple[DenseSpec, ...]
+    sections: tuple[Section, ...]
+    num_lengths: int
+    fingerprint: int
+
+    def describe(self) -> dict[str, str]:
+        """Every schema property as ``{name: value}``: what phase 1 compares
+        field by field when fingerprints differ, to name the difference."""
+        return describe(self.batch_class, self.batch_size, self.kjts, self.dense)
+
+
+def describe(batch_class: str, b: int, kjts: tuple[KJTSpec, ...] | list[KJTSpec],
+             dense: tuple[DenseSpec, ...] | list[DenseSpec]) -> dict[str, str]:
+    out = {"batch class": batch_class, "batch_size": str(b),
+           "KJT fields": str([k.name for k in kjts]), "dense fields": str([d.name for d in dense])}
+    for k in kjts:
+        out[f"{k.name}.keys"] = str(list(k.keys))
+        out[f"{k.name}.lengths dtype"] = str(k.lengths_dtype)
+        out[f"{k.name}.values dtype"] = str(k.values_dtype)
+        out[f"{k.name}.weights dtype"] = "absent" if k.weights_dtype is None else str(k.weights_dtype)
+    for d in dense:
+        out[f"{d.name} dtype"] = str(d.dtype)
+        out[f"{d.name} per-sample shape"] = str(list(d.shape))
+    return out
+
+
+def fingerprint(description: dict[str, str]) -> int:
+    """int64 hash of a description (the same on every process and platform)."""
+    text = repr(sorted(description.items()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _fields(batch: Any) -> tuple[dict[str, KeyedJaggedTensor], dict[str, torch.Tensor]]:
+    return batch.kjt_fields(), batch.dense_fields()
+
+
+def wire_layout(batch: Any) -> WireLayout:
+    """The wire layout of ``batch``, derived from its tensors now.
+
+    Reads shapes and dtypes only, never tensor values: no device sync.
+    """
+    kjt_fields, dense_fields = _fields(batch)
+    kjts: list[KJTSpec] = []
+    sections: list[Section] = []
+    row = 0
+    for name, kjt in kjt_fields.items():
+        w = kjt.weights_or_none()
+        spec = KJTSpec(name, tuple(kjt.keys()), row, kjt.lengths().dtype, kjt.values().dtype,
+                       None if w is None else w.dtype)
+        kjts.append(spec)
+        sections.append(Section(name, "values", spec.values_dtype, _itemsize(spec.values_dtype),
+                                row, len(spec.keys), 0))
+        if spec.weights_dtype is not None:
+            sections.append(Section(name, "weights", spec.weights_dtype, _itemsize(spec.weights_dtype),
+                                    row, len(spec.keys), 0))
+        row += len(spec.keys)
+    dense: list[DenseSpec] = []
+    for name, t in dense_fields.items():
+        shape = tuple(int(s) for s in t.shape[1:])
+        dense.append(DenseSpec(name, t.dtype, shape))
+        width = 1
+        for s in shape:
+            width *= s
+        sections.append(Section(name, "dense", t.dtype, _itemsize(t.dtype), -1, 1, width))
+    cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
+    b = int(batch.batch_size)
+    fp = fingerprint(describe(cls, b, kjts, dense))
+    return WireLayout(cls, b, tuple(kjts), tuple(dense), tuple(sections), row, fp)
+
+
+def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
+    """What makes ``batch`` unshufflable under its own layout, from shapes alone.
+
+    Checked at every shuffle because tensors can be replaced after the batch
+    was built: every dense field is ``[B, ...]``, every KJT has ``B * K``
+    lengths and no variable stride, and every element size can travel.
+    Value-level checks (values vs. ``sum(lengths)``, negative lengths) happen
+    where the lengths are on the host.
+    """
+    b = layout.batch_size
+    out = []
+    kjt_fields, dense_fields = _fields(batch)
+    for spec in layout.kjts:
+        kjt = kjt_fields[spec.name]
+        if kjt.variable_stride_per_key():
+            out.append(f"{spec.name}: variable-stride (VBE) KeyedJaggedTensors cannot be shuffled")
+        n = kjt.lengths().numel()
+        if n != b * len(spec.keys):
+            out.append(f"{spec.name}: len(lengths)={n}, expected batch_size * num_keys = "
+                       f"{b} * {len(spec.keys)} = {b * len(spec.keys)}")
+    for d in layout.dense:
+        t = dense_fields[d.name]
+        if t.dim() == 0 or t.shape[0] != b:
+            out.append(f"{d.name}: shape {tuple(t.shape)}, expected [batch_size={b}, ...]")
+    for s in layout.sections:
+        if s.itemsize not in OPAQUE:
+            out.append(f"{s.field}{'' if s.part == 'dense' else '.' + s.part}: {s.dtype} has "
+                       f"{s.itemsize}-byte elements, expected one of {sorted(OPAQUE)} bytes")
+    return out
+
+
+def section_tensor(batch: Any, s: Section) -> torch.Tensor:
+    """The tensor behind section ``s`` of ``batch``."""
+    if s.part == "dense":
+        return batch.dense_fields()[s.field]  # type: ignore[no-any-return]
+    kjt = batch.kjt_fields()[s.field]
+    return kjt.values() if s.part == "values" else kjt.weights()  # type: ignore[no-any-return]
+
+
+def opaque(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened and viewed as the same-size dtype that gathers copy
+    (int64, int32, float16, uint8): bits are moved, never computed on."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(OPAQUE[flat.element_size()])
