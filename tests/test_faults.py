@@ -1,0 +1,307 @@
+"""Every cross-rank disagreement is a clear error on every rank, in bounded time.
+
+One test per way ranks can disagree (layout, configuration, partition,
+shuffle order, a stalled peer), the scale of workloads, the edge shapes, and a
+randomised fault test: a random bad field or setting on a random rank, 50
+cases, every rank must raise the same ``ValueError`` and the group must stay
+usable -- no hang, no abort.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from balancer.errors import ShuffleAbortedError
+from balancer.shuffler import BatchShuffler
+from balancer.testing import WorkerError, run_workers, run_workers_outcomes
+from tests.reference import greedy
+from tests.test_shuffler import TaggedBatch, make_batch, rows, token_count
+
+TIMEOUT = 3.0  # the shuffler timeout of the stall tests (grace: 1.5 s)
+
+
+def _outcome(fn: Any) -> tuple[str, str, float]:
+    t0 = time.perf_counter()
+    try:
+        fn()
+        return "ok", "", time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the test compares types and texts across ranks
+        return type(e).__name__, str(e), time.perf_counter() - t0
+
+
+def _home(workloads: np.ndarray, n: int) -> list[list[int]]:
+    """Another valid partition: every sample stays home. The batches' loads
+    differ by rank (lengths grow with the rank), so greedy always moves some."""
+    b = workloads.size // n
+    return [list(range(r * b, (r + 1) * b)) for r in range(n)]
+
+
+# --------------------------------------------------- disagreements, one by one
+def _with_lengths(batch: TaggedBatch, dtype: torch.dtype | None = None, weights: bool = True) -> TaggedBatch:
+    f = batch.features
+    kjt = KeyedJaggedTensor(keys=f.keys(), values=f.values(), lengths=f.lengths().to(dtype or f.lengths().dtype),
+                            weights=f.weights() if weights else None)
+    return dataclasses.replace(batch, features=kjt)
+
+
+def _disagreement_worker(rank: int, w: int) -> dict[str, tuple[str, str, float]]:
+    odd = rank == w - 1
+    out: dict[str, tuple[str, str, float]] = {}
+    shared = BatchShuffler(token_count)
+
+    def data_case(name: str, batch: TaggedBatch) -> None:
+        out[name] = _outcome(lambda: shared.shuffle(batch))
+
+    b = make_batch(rank, 8, 8, seed=1)
+    data_case("warm", b)
+    wrong = make_batch(rank, 8, 8, seed=1)
+    if odd:
+        wrong.dense = torch.zeros(7, 3)  # replaced after construction
+    data_case("dense_dim0", wrong)
+    data_case("lengths_dtype", _with_lengths(b, torch.int32) if odd else b)
+    data_case("weights_one_rank", _with_lengths(b, weights=not odd))
+    data_case("after", b)
+
+    def fresh(name: str, **kwargs: Any) -> None:
+        s = BatchShuffler(token_count, **kwargs)
+        out[name] = _outcome(lambda: s.shuffle(b))
+        s.close()
+
+    fresh("locality", locality=not odd)
+    fresh("comm", comm="allgather" if odd else "all2all")
+
+    def rank_dependent(workloads: np.ndarray, n: int) -> list[list[int]]:
+        return _home(workloads, n) if odd else greedy(workloads, n)
+
+    fresh("partition", partition=rank_dependent)
+    return out
+
+
+def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
+    w = 3
+    outs = run_workers(_disagreement_worker, w, timeout=120)
+    expect = {
+        "dense_dim0": "dense: shape (7, 3), expected [batch_size=8, ...] (rank 2)",
+        "lengths_dtype": "'features.lengths dtype': ranks [0, 1]: 'torch.int64'; rank 2: 'torch.int32'",
+        "weights_one_rank": "'features.weights dtype': ranks [0, 1]: 'torch.float32'; rank 2: 'absent'",
+        "locality": "'locality': ranks [0, 1]: 'True'; rank 2: 'False'",
+        "comm": "'comm': ranks [0, 1]: 'all2all'; rank 2: 'allgather'",
+        "partition": "partition=rank_dependent returned different partitions on different ranks "
+                     "(rank(s) [2] differ from rank 0)",
+    }
+    for rank, out in enumerate(outs):
+        assert out["warm"][0] == out["after"][0] == "ok", (rank, out)
+        for name, text in expect.items():
+            kind, msg, dt = out[name]
+            assert kind == "ValueError" and text in msg, (rank, name, msg)
+            assert msg == outs[0][name][1], (rank, name)  # the same text everywhere
+            assert dt < 30, (rank, name, dt)
+
+
+# --------------------------------------------------------- stalls and skips
+def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, Any]:
+    s = BatchShuffler(token_count, timeout=TIMEOUT)
+    s.shuffle(make_batch(rank, 8, 8, seed=2))  # groups and agreement in place
+    batch = make_batch(rank, 8, 8, seed=3)  # imbalanced: samples move, so phase 2 communicates
+    t0 = time.perf_counter()
+    err: Any = None
+    try:
+        if mode == "no_start" and rank == 1:
+            time.sleep(TIMEOUT + 4)
+            return "slept", "", 0.0, None, None
+        h = s.start_shuffle_async(batch)
+        if mode == "stall_after_start" and rank == 1:
+            time.sleep(TIMEOUT + 4)
+        if mode == "skip_finish" and rank == 1:
+            del h  # never finished on this rank
+            h = s.start_shuffle_async(batch)
+        s.finish_shuffle(batch, h)
+        return "ok", "", time.perf_counter() - t0, None, None
+    except ShuffleAbortedError as e:
+        err = e
+    later = _outcome(lambda: s.shuffle(batch))  # the shuffler is closed now
+    return type(err).__name__, str(err), time.perf_counter() - t0, (err.phase, err.missing), later[:2]
+
+
+@pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
+def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> None:
+    outs = run_workers_outcomes(_stall_worker, 2, mode, timeout=60)
+    assert not any(isinstance(o, WorkerError) for o in outs), outs
+    kind, msg, dt, (phase, missing), later = outs[0]
+    assert kind == "ShuffleAbortedError" and missing == [1], outs[0]
+    assert phase == ("phase 1" if mode == "no_start" else "phase 2"), outs[0]
+    assert f"rank(s) [1] did not take part within the shuffler's timeout of {TIMEOUT:g} s" in msg
+    assert dt < TIMEOUT + 1.5 + 3, dt  # timeout + grace + slack: bounded, never the group's 30 min
+    assert later[0] == "RuntimeError" and "closed after an aborted shuffle" in later[1]
+    if mode == "skip_finish":  # the skipping rank waited in phase 1 of its next shuffle
+        assert outs[1][0] == "ShuffleAbortedError" and outs[1][3] == ("phase 1", [0]), outs[1]
+
+
+# ----------------------------------------------------------- workload scale
+def _scale_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
+    out = []
+    for scale in (1, 1e-9, 3e-7, 1e-3, 0.7, 1e3, 1e9, "int1000"):
+        def fn(batch: Any, scale: Any = scale) -> torch.Tensor:
+            t = token_count(batch)
+            return t * 1000 if scale == "int1000" else t.double() * scale
+
+        for comm in ("all2all", "allgather"):
+            s = BatchShuffler(fn, comm=comm)
+            for seed in range(3):
+                batch = make_batch(rank, 8, 8 - seed, seed=40 + seed)
+                h = s.start_shuffle_async(batch)
+                got = s.finish_shuffle(batch, h)
+                st = h.stats
+                out.append((scale, comm, seed, rows(got), h._job.result().dest.tolist(),  # type: ignore[union-attr]
+                            st.imbalance_before, st.imbalance_after, st.moved_fraction, st.load_after))
+            s.close()
+    return out
+
+
+def test_partitions_and_stats_do_not_depend_on_the_workload_scale() -> None:
+    """Costs in seconds (token_count * 1e-3) or FLOPs (* 1e9) balance exactly like token counts."""
+    per_rank = run_workers(_scale_worker, 3, timeout=180)
+    for res in per_rank:
+        base = {(comm, seed): r for scale, comm, seed, *r in res if scale == 1}
+        moved = 0.0
+        for scale, comm, seed, got, dest, before, after, frac, loads in res:
+            ref = base[(comm, seed)]
+            assert got == ref[0] and dest == ref[1], (scale, comm, seed)
+            assert before == pytest.approx(ref[2], rel=1e-12) and after == pytest.approx(ref[3], rel=1e-12)
+            assert frac == ref[4]
+            factor = 1000 if scale == "int1000" else scale
+            assert loads == pytest.approx([factor * v for v in ref[5]], rel=1e-12)
+            moved += frac
+        assert moved > 0  # samples did move: small costs are not rounded away
+
+
+# ------------------------------------------------------------- edge shapes
+@dataclasses.dataclass(kw_only=True)
+class _EdgeBatch(TaggedBatch):
+    empty_dense: torch.Tensor  # [B, 0]
+    no_keys: KeyedJaggedTensor  # a KJT with no keys
+
+
+def _edge_batch(rank: int, b: int, real: int, seed: int, all_empty: bool) -> _EdgeBatch:
+    base = make_batch(rank, b, real, seed=seed, labels="dense", zero_frac=1.0 if all_empty else 0.2)
+    if all_empty:  # every KJT of the batch is empty
+        f = base.features
+        base = dataclasses.replace(base, features=KeyedJaggedTensor(
+            keys=f.keys(), values=f.values()[:0], weights=f.weights()[:0], lengths=torch.zeros_like(f.lengths())),
+            extra=KeyedJaggedTensor(keys=["e"], values=base.extra.values()[:0],
+                                    lengths=torch.zeros(b, dtype=torch.int32)))
+    labels = torch.zeros(b, 0)  # zero-width labels
+    return _EdgeBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(TaggedBatch)
+                         if f.name != "labels"}, labels=labels, empty_dense=torch.zeros(b, 0, dtype=torch.int8),
+                      no_keys=KeyedJaggedTensor(keys=[], values=torch.zeros(0), lengths=torch.zeros(0, dtype=torch.int64)))
+
+
+def _edge_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
+    out = []
+    flat = lambda batch: torch.arange(batch.batch_size, 0, -1) * (1 + batch.features.lengths().new_tensor(0))  # noqa: E731
+    for comm in ("all2all", "allgather"):
+        for all_empty in (False, True):
+            s = BatchShuffler(token_count if not all_empty else flat, comm=comm)
+            batch = _edge_batch(rank, 6, [6, 4, 6][rank], seed=5, all_empty=all_empty)
+            h = s.start_shuffle_async(batch)
+            got = s.finish_shuffle(batch, h)
+            assert got.empty_dense.shape == (6, 0) and got.labels.shape == (6, 0)
+            assert got.no_keys.keys() == [] and got.no_keys.lengths().numel() == 0
+            out.append((comm, all_empty, rows(batch)[: batch.actual_batch_size],
+                        rows(got)[: got.actual_batch_size], h.stats.comm))
+            s.close()
+    return out
+
+
+def test_zero_width_fields_and_empty_kjts_on_both_paths() -> None:
+    per_rank = run_workers(_edge_worker, 3, timeout=120)
+    for case in range(len(per_rank[0])):
+        before = Counter(r for res in per_rank for r in res[case][2])
+        after = Counter(r for res in per_rank for r in res[case][3])
+        assert before == after and sum(before.values()) == 16, per_rank[0][case][:2]
+        assert per_rank[0][case][4] != "none", per_rank[0][case][:2]  # samples did move
+
+
+# -------------------------------------------------------- randomised faults
+_FAULTS = ("dense_dim0", "negative", "nan", "raise", "shape", "batch_size", "real_out_of_range",
+           "lengths_dtype", "no_weights", "values_short", "complex", "locality", "comm", "partition")
+
+
+def _fault_worker(rank: int, w: int, cases: int) -> list[tuple[str, int, str, str]]:
+    rng = random.Random(2024)  # the same draws on every rank
+    mode = {"fault": "", "bad": -1}
+    me = lambda: mode["bad"] == rank  # noqa: E731
+
+    def workloads(batch: Any) -> Any:
+        t = token_count(batch).double()
+        if me() and mode["fault"] == "negative":
+            t[1] = -1.0
+        if me() and mode["fault"] == "nan":
+            t[0] = float("nan")
+        if me() and mode["fault"] == "raise":
+            raise RuntimeError("estimator failed")
+        if me() and mode["fault"] == "shape":
+            return t[:-2]
+        return t
+
+    shared = BatchShuffler(workloads)
+    out = []
+    for _ in range(cases):
+        fault, bad = rng.choice(_FAULTS), rng.randrange(w)
+        mode.update(fault=fault, bad=bad)
+        batch = make_batch(rank, 8, 7, seed=rng.randrange(1000))
+        s = shared
+        if me():
+            if fault == "dense_dim0":
+                batch.dense = torch.zeros(9, 3)
+            elif fault == "batch_size":
+                batch = make_batch(rank, 6, 6, seed=0)
+            elif fault == "real_out_of_range":
+                batch.actual_batch_size = 11
+            elif fault == "lengths_dtype":
+                batch = _with_lengths(batch, torch.int32)
+            elif fault == "no_weights":
+                batch = _with_lengths(batch, weights=False)
+            elif fault == "values_short":
+                object.__setattr__(batch.extra, "_values", batch.extra.values()[:0])
+            elif fault == "complex":
+                batch.dense = batch.dense.to(torch.complex64)
+        if fault in ("locality", "comm", "partition"):
+            def partition(x: np.ndarray, n: int) -> list[list[int]]:
+                return _home(x, n) if me() else greedy(x, n)
+
+            kwargs = {"locality": {"locality": not me()}, "comm": {"comm": "allgather" if me() else "all2all"},
+                      "partition": {"partition": partition}}[fault]
+            s = BatchShuffler(workloads, **kwargs)
+        kind, msg, _ = _outcome(lambda: s.shuffle(batch))
+        out.append((fault, bad, kind, msg))
+        if s is not shared:
+            s.close()
+    kind, _, _ = _outcome(lambda: shared.shuffle(make_batch(rank, 8, 8, seed=1)))
+    out.append(("good", -1, kind, ""))
+    return out
+
+
+def test_randomised_faults_never_hang_or_abort() -> None:
+    w, cases = 4, 50
+    per_rank = run_workers(_fault_worker, w, cases, timeout=300)  # a hang fails as a timeout
+    faults = Counter(f for f, *_ in per_rank[0][:-1])
+    assert len(faults) >= 10, faults  # most kinds were drawn
+    for i in range(cases):
+        fault, bad = per_rank[0][i][:2]
+        msgs = {res[i][3] for res in per_rank}
+        kinds = {res[i][2] for res in per_rank}
+        assert kinds == {"ValueError"}, (i, fault, bad, [res[i] for res in per_rank])
+        assert len(msgs) == 1, (i, fault, msgs)  # the same text on every rank
+        (msg,) = msgs
+        assert f"[{bad}]" in msg or f"rank {bad}" in msg, (i, fault, bad, msg)
+    assert all(res[-1][2] == "ok" for res in per_rank)  # the shared shuffler is still usable
