@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._exchange import Exchange
+from balancer._gather import DeviceBlob, HostTensors, take_runs, upload
 from balancer._layout import OPAQUE, WireLayout, opaque, section_tensor
-from balancer._runs import DeviceBlob, take_runs
 
 logger = logging.getLogger(__name__)
 
@@ -217,19 +217,20 @@ def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf
     return replace(batch, **fields, actual_batch_size=ex.num_out)
 
 
-def execute(batch: Any, layout: WireLayout, ex: Exchange, group: Any, replace: Any) -> tuple[Any, float]:
+def execute(batch: Any, layout: WireLayout, ex: Exchange, host: HostTensors, group: Any,
+            replace: Any) -> tuple[Any, float]:
     """Run phase 2: pack, one collective, assemble. Reads no device value.
 
     Args:
         batch: this rank's batch (the one phase 1 described).
-        ex: this rank's plan.
+        ex: this rank's plan; ``host`` its index arrays as host tensors.
         group: where the collective runs (:meth:`ShuffleGroups.phase2_group`).
         replace: ``(batch, **fields) -> batch`` building the output.
 
     Returns:
         The output batch and the seconds spent in the collective call.
     """
-    blob = ex.blob.to(batch.device)
+    blob = upload(host, batch.device)
     send = pack(batch, layout, ex, blob)
     buf = receive_buffer(ex, batch.device)
     t0 = time.perf_counter()

@@ -1,10 +1,11 @@
-"""Phase 2 planned on the host: every byte count, offset and index of the one collective.
+"""Phase 2 planned on the host: every byte count, offset and index of the one collective (numpy only).
 
 Phase 1 gave every rank the lengths of every sample, so before phase 2 starts
 each rank knows, as host integers, what it sends, what it receives and where
 every element of its output comes from. This module turns a
 :class:`~balancer._plan.RankPlan` into an :class:`Exchange`: pure numpy, run in
-the shuffler's background thread, so the calling thread only executes it.
+the torch-free planner process (or the shuffler's background thread), so the
+calling thread only executes it (:mod:`balancer._comm`).
 
 Wire format. Each section's bytes (:class:`~balancer._layout.Section`) form a
 block padded to 8 bytes, so every block can be viewed as its own dtype:
@@ -35,9 +36,8 @@ from typing import Literal
 
 import numpy as np
 
-from balancer._layout import Section, WireLayout
-from balancer._plan import Gathered, RankPlan
-from balancer._runs import FrozenBlob, IndexBlob, RunGather, plan_runs
+from balancer._plan import Gathered, PlanLayout, RankPlan, SectionPlan
+from balancer._runs import HostBlob, IndexBlob, RunGather, plan_runs
 
 __all__ = ["Exchange", "Traffic", "plan_exchange"]
 
@@ -85,7 +85,7 @@ class Exchange:
     """
 
     comm: Literal["all2all", "allgather"]
-    blob: FrozenBlob
+    blob: HostBlob
     pack: tuple[RunGather | None, ...]
     pieces: tuple[tuple[int, int, int], ...]
     send_splits: tuple[int, ...]
@@ -105,26 +105,26 @@ def _starts(lengths_kb: np.ndarray) -> np.ndarray:
     return (np.cumsum(flat) - flat).reshape(lengths_kb.shape)
 
 
-def _section_lengths(s: Section, lengths: np.ndarray) -> np.ndarray:
+def _section_lengths(s: SectionPlan, lengths: np.ndarray) -> np.ndarray:
     """[K_s, B] elements per (key, sample) of section ``s`` on one rank (dense: 1 key)."""
     if s.jagged:
         return lengths[s.row : s.row + s.count]
     return np.full((1, lengths.shape[1]), s.width, np.int64)
 
 
-def _tail_bytes(layout: WireLayout) -> int:
+def _tail_bytes(layout: PlanLayout) -> int:
     need = [layout.batch_size * s.width * s.itemsize for s in layout.sections if not s.jagged]
     return _pad8i(max(need, default=0))
 
 
-def plan_exchange(comm: str, layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+def plan_exchange(comm: str, layout: PlanLayout, g: Gathered, plan: RankPlan) -> Exchange:
     """This rank's :class:`Exchange` for ``comm``; ``blob`` is pinned by the caller."""
     if comm == "all2all":
         return _plan_all2all(layout, g, plan)
     return _plan_allgather(layout, g, plan)
 
 
-def _plan_all2all(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+def _plan_all2all(layout: PlanLayout, g: Gathered, plan: RankPlan) -> Exchange:
     w, b, me = g.world_size, g.batch_size, plan.rank
     secs = layout.sections
     blob = IndexBlob()
@@ -185,12 +185,12 @@ def _plan_all2all(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
     others = np.arange(w) != me
     traffic = Traffic(int(plan.send_counts[others].sum()), int(plan.recv_counts[others].sum()),
                       int(send_splits[others].sum()), int(recv_splits[others].sum()))
-    return Exchange("all2all", blob.freeze(False), tuple(packs), tuple(pieces),
+    return Exchange("all2all", blob.freeze(), tuple(packs), tuple(pieces),
                     tuple(int(x) for x in send_splits), tuple(int(x) for x in recv_splits), total, tail,
                     tuple(outs), tuple(out_lengths), tuple(per_key), plan.num_out, traffic)
 
 
-def _assemble_plan(layout: WireLayout, g: Gathered, plan: RankPlan, blob: IndexBlob, base: np.ndarray,
+def _assemble_plan(layout: PlanLayout, g: Gathered, plan: RankPlan, blob: IndexBlob, base: np.ndarray,
                    rel: list[np.ndarray], buffer_bytes: int, tail_at: int
                    ) -> tuple[list[RunGather], list[tuple[int, bool]], list[tuple[int, ...]]]:
     """Output gathers (order: key, then output sample) and output lengths."""
@@ -209,15 +209,14 @@ def _assemble_plan(layout: WireLayout, g: Gathered, plan: RankPlan, blob: IndexB
         outs.append(plan_runs(blob, buffer_bytes // e, run_starts, run_lens))
     out_lengths, per_key = [], []
     for k in layout.kjts:
-        out = np.zeros((len(k.keys), b), np.int64)
-        out[:, :m] = g.lengths[src_of, k.row : k.row + len(k.keys), idx_of].T
-        int32 = str(k.lengths_dtype) == "torch.int32"
-        out_lengths.append((blob.add32(out) if int32 else blob.add64(out), int32))
+        out = np.zeros((k.num_keys, b), np.int64)
+        out[:, :m] = g.lengths[src_of, k.row : k.row + k.num_keys, idx_of].T
+        out_lengths.append((blob.add32(out) if k.int32 else blob.add64(out), k.int32))
         per_key.append(tuple(int(v) for v in out.sum(axis=1)))
     return outs, out_lengths, per_key
 
 
-def _plan_allgather(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange:
+def _plan_allgather(layout: PlanLayout, g: Gathered, plan: RankPlan) -> Exchange:
     w, b, me = g.world_size, g.batch_size, plan.rank
     secs = layout.sections
     blob = IndexBlob()
@@ -251,6 +250,6 @@ def _plan_allgather(layout: WireLayout, g: Gathered, plan: RankPlan) -> Exchange
     outs, out_lengths, per_key = _assemble_plan(layout, g, plan, blob, base, rel, total + tail, total)
     real_me = int(g.real[me])
     traffic = Traffic((w - 1) * real_me, int(g.real.sum()) - real_me, (w - 1) * width, (w - 1) * width)
-    return Exchange("allgather", blob.freeze(False), tuple(None for _ in secs), tuple(pieces), (width,),
+    return Exchange("allgather", blob.freeze(), tuple(None for _ in secs), tuple(pieces), (width,),
                     (width,), total, tail, tuple(outs), tuple(out_lengths), tuple(per_key), plan.num_out,
                     traffic)

@@ -29,6 +29,8 @@ from typing import Any, Literal
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from balancer._plan import KJTPlan, PlanLayout, SectionPlan
+
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
     "opaque", "wire_layout",
@@ -109,6 +111,13 @@ class WireLayout:
     sections: tuple[Section, ...]
     num_lengths: int
     fingerprint: int
+
+    def plan_layout(self) -> PlanLayout:
+        """The numpy view the planner works with (picklable without torch)."""
+        return PlanLayout(
+            self.batch_size, self.num_lengths,
+            tuple(SectionPlan(s.jagged, s.row, s.count, s.itemsize, s.width) for s in self.sections),
+            tuple(KJTPlan(k.row, len(k.keys), k.lengths_dtype == torch.int32) for k in self.kjts))
 
     def describe(self) -> dict[str, str]:
         """Every schema property as ``{name: value}``: what phase 1 compares

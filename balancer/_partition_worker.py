@@ -14,13 +14,21 @@ the calling thread sleeps in ``read`` without the GIL, the main thread runs
 undisturbed, and the calling thread needs the GIL once, to decode the answer.
 Validation happens in the child; its ``ValueError`` is re-raised here.
 
+The shuffler asks for more than a partition: a *step* request (dtype code
+2) carries a pickled :func:`balancer._step.plan_step` call -- the gathered
+phase-1 messages, the layout, the rank -- and the reply is the pickled
+:class:`balancer._step.Step`: partition, plan, phase 2 to the byte and the
+statistics, all computed without the training process's GIL.
+
 Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
 flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes] (flag
 1: homes and sizes follow; flag 2: partition :func:`balancer._quantize.quantize`
 of the workloads, the shuffler's scale-free integers, while the bound stays in
-workload units);
+workload units), or for code 2, ``n`` bytes of pickled keyword arguments;
 reply ``<qqqd`` = (status, length, compute nanoseconds, lower bound) then
-either ``n`` int64 (rows, part-major) or a UTF-8 error message. The child also
+either ``n`` int64 (rows, part-major), ``n`` bytes of a pickled ``Step``, or
+a UTF-8 error message (status 1: bad input, re-raised as ``ValueError``;
+status 2: anything else, re-raised as ``RuntimeError``). The child also
 computes ``lower_bound`` (statistics only), so the caller's thread need not.
 """
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import select
 import struct
 import subprocess
@@ -44,6 +53,7 @@ __all__ = ["PartitionHandle", "PartitionWorker", "solve"]
 _REQ = struct.Struct("<qqqq")
 _REP = struct.Struct("<qqqd")
 _DTYPES = {0: np.dtype("<i8"), 1: np.dtype("<f8")}
+_STEP = 2  # dtype code of a plan_step request
 _BOOT = (
     "import sys, types\n"
     "pkg = types.ModuleType('balancer'); pkg.__path__ = [sys.argv[1]]\n"
@@ -103,6 +113,9 @@ def _serve(fd_in: int, fd_out: int) -> None:
         except EOFError:
             return
         n, w, code, flags = _REQ.unpack(head)
+        if code == _STEP:
+            _serve_step(_read_exact(fd_in, n), fd_out)
+            continue
         x = np.frombuffer(_read_exact(fd_in, 8 * n), _DTYPES[code])
         home = sizes = None
         if flags & 1:
@@ -115,6 +128,20 @@ def _serve(fd_in: int, fd_out: int) -> None:
         except (ValueError, TypeError) as e:
             msg = str(e).encode()
             _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0, 0.0) + msg)
+
+
+def _serve_step(payload: bytes, fd_out: int) -> None:
+    from balancer._step import plan_step
+
+    t0 = time.perf_counter_ns()
+    status = 0
+    try:
+        body = pickle.dumps(plan_step(**pickle.loads(payload)), protocol=pickle.HIGHEST_PROTOCOL)
+    except (ValueError, TypeError) as e:
+        status, body = 1, str(e).encode()
+    except Exception as e:  # noqa: BLE001 - reported to the parent; the child keeps serving
+        status, body = 2, f"{type(e).__name__}: {e}".encode()
+    _write_all(fd_out, _REP.pack(status, len(body), time.perf_counter_ns() - t0, 0.0) + body)
 
 
 class PartitionHandle:
@@ -152,6 +179,17 @@ class PartitionHandle:
         if status:
             raise ValueError(body.decode())
         return np.frombuffer(body, "<i8").reshape(self.num_parts, self.n // self.num_parts)
+
+    def wait_step(self) -> Any:
+        """The :class:`balancer._step.Step` of a :meth:`PartitionWorker.submit_step` request."""
+        self._worker._collect(self)
+        assert self._reply is not None, "collect fills the reply"
+        status, body = self._reply
+        if status == 1:
+            raise ValueError(body.decode())
+        if status:
+            raise RuntimeError(f"the planner process failed: {body.decode()}")
+        return pickle.loads(body)
 
 
 class PartitionWorker:
@@ -213,6 +251,16 @@ class PartitionWorker:
         handle = PartitionHandle(self, w, n)
         with self._lock:
             _write_all(self._fd_out, b"".join(chunks))
+            self._pending.append(handle)
+        return handle
+
+    def submit_step(self, **kwargs: Any) -> PartitionHandle:
+        """Ask for :func:`balancer._step.plan_step` ``(**kwargs)``; collect with
+        :meth:`PartitionHandle.wait_step`."""
+        payload = pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+        handle = PartitionHandle(self, 1, 0)
+        with self._lock:
+            _write_all(self._fd_out, _REQ.pack(len(payload), 0, _STEP, 0) + payload)
             self._pending.append(handle)
         return handle
 

@@ -5,6 +5,9 @@ deterministic in its arguments, so a test can run it for every rank in one
 process, and every rank that saw the same gathered metadata takes the same
 decision -- the property that keeps phase 2's collective matched across ranks.
 
+* :class:`PlanLayout` -- the numpy view of a batch's wire layout (this module
+  and everything it plans with import no torch: they run in the torch-free
+  planner process).
 * :class:`Gathered` -- what phase 1 gave every rank: workloads, lengths and
   real-sample counts of every rank's batch.
 * :func:`partition` -- the partition (child process, thread or a custom
@@ -25,12 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from balancer._layout import WireLayout
 from balancer._partition_worker import PartitionWorker, solve
 from balancer._quantize import quantize
 
 __all__ = [
-    "Gathered", "PartitionFn", "PartitionResult", "RankPlan", "destinations", "moved_mask", "partition",
+    "Gathered", "KJTPlan", "PartitionFn", "PlanLayout", "SectionPlan", "PartitionResult", "RankPlan", "destinations", "moved_mask", "partition",
     "plan_digest", "plan_rank", "real_mask", "sample_bytes", "validate_partition",
 ]
 
@@ -38,6 +40,36 @@ PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
 """``(workloads [N], num_parts) -> num_parts`` lists of ``N / num_parts`` global
 indices; must be deterministic: every rank runs it on identical input. The
 shuffler passes scale-free int64 workloads (:func:`balancer._quantize.quantize`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionPlan:
+    """A wire section as the planner sees it (see :class:`balancer._layout.Section`)."""
+
+    jagged: bool  # KJT values/weights: elements per sample are lengths; else dense
+    row: int  # first row of its keys in the lengths matrix (-1 for dense)
+    count: int  # keys (1 for dense)
+    itemsize: int  # bytes per element
+    width: int  # dense: elements per sample
+
+
+@dataclasses.dataclass(frozen=True)
+class KJTPlan:
+    """A KJT field as the planner sees it: its rows of the lengths matrix."""
+
+    row: int
+    num_keys: int
+    int32: bool  # lengths dtype int32 (else int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """The numpy view of a :class:`balancer._layout.WireLayout`: what planning needs."""
+
+    batch_size: int
+    num_lengths: int
+    sections: tuple[SectionPlan, ...]
+    kjts: tuple[KJTPlan, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +106,7 @@ def moved_mask(dest: np.ndarray, batch_size: int) -> np.ndarray:
     return (dest.reshape(w, batch_size) != np.arange(w)[:, None]).reshape(-1)
 
 
-def sample_bytes(layout: WireLayout, lengths: np.ndarray) -> np.ndarray:
+def sample_bytes(layout: PlanLayout, lengths: np.ndarray) -> np.ndarray:
     """[W * B] bytes each sample occupies in phase 2's payload (lengths [W, K, B])."""
     w, _, b = lengths.shape
     out = np.zeros((w, b), np.int64)
@@ -133,7 +165,7 @@ class PartitionResult:
     seconds: float  # partition compute time (child or thread), not waiting
 
 
-def partition(g: Gathered, layout: WireLayout, *, fn: PartitionFn | None, worker: PartitionWorker | None,
+def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker: PartitionWorker | None,
               locality: bool, localize: Callable[..., Any], lower_bound: Callable[..., float]) -> PartitionResult:
     """Partition the gathered workloads into W parts of B (background thread).
 

@@ -18,11 +18,12 @@ Three steps, three threads of control:
 
 1. :func:`capture` (calling thread) -- host checks of shapes and dtypes, then
    the device part (workloads, device-detected status, lengths) built with
-   torch ops only: no value is read, so nothing waits for the device. On CUDA
-   it is copied to pinned memory without blocking, with an event.
-2. :func:`message` (background thread) -- waits for the event, checks what
-   needs values (negative lengths, values that do not match their lengths) and
-   assembles the message.
+   torch ops only (one concatenation of workloads and lengths): no value is
+   read, so nothing waits for the device. On CUDA it is copied to pinned memory
+   without blocking, with an event.
+2. :func:`message` (background thread) -- waits for the event, checks the
+   values (negative or non-finite workloads, negative or huge lengths, values
+   that do not match their lengths) and assembles the message.
 3. :func:`decide` (background thread, pure) -- from the gathered headers, the
    same verdict on every rank: proceed, agree on a new size and gather again,
    or fail. Failures are described by :func:`describe_failure`, from every
@@ -33,24 +34,38 @@ Three steps, three threads of control:
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from balancer._header import (
+    H_BATCH,
+    H_CONFIG,
+    H_DETAIL,
+    H_KEYS,
+    H_LAYOUT,
+    H_MAGIC,
+    H_PAY_B,
+    H_PAY_K,
+    H_PREV_DIGEST,
+    H_PREV_SEQ,
+    H_REAL,
+    H_SEQ,
+    H_STATUS,
+    H_VALUE,
+    HEADER_LEN,
+    MAGIC,
+)
 from balancer._layout import WireLayout, layout_problems, wire_layout
 
 __all__ = [
-    "H_REAL", "HEADER_LEN", "MAGIC", "Agreement", "LocalMeta", "Report", "Status", "Verdict", "capture",
+    "H_BATCH", "H_CONFIG", "H_DETAIL", "H_KEYS", "H_LAYOUT", "H_MAGIC", "H_PAY_B", "H_PAY_K", "H_PREV_DIGEST",
+    "H_PREV_SEQ", "H_REAL", "H_SEQ", "H_STATUS", "H_VALUE", "HEADER_LEN", "MAGIC", "Agreement", "LocalMeta", "Report", "Status", "Verdict", "capture",
     "decide", "describe_failure", "message", "payload_words",
 ]
 
-MAGIC = 0x62616C616E6302  # "balanc" + protocol version 2
-HEADER_LEN = 16
-(H_MAGIC, H_STATUS, H_DETAIL, H_SEQ, H_BATCH, H_KEYS, H_LAYOUT, H_CONFIG, H_REAL, H_PREV_SEQ,
- H_PREV_DIGEST, H_PAY_B, H_PAY_K, H_VALUE) = range(14)
 _INT32_MAX = 2**31 - 1
 
 
@@ -84,9 +99,9 @@ def payload_words(a: Agreement | None) -> int:
 class LocalMeta:
     """This rank's phase-1 contribution, captured on the calling thread.
 
-    ``device`` holds ``[status, detail, bad value, workloads (B), lengths]`` as int64
-    words; ``host`` is its host copy (``device`` itself on the CPU), complete
-    once ``event`` (CUDA only) has completed.
+    ``host`` holds ``[workloads (B, float64 bits), lengths (K_total * B)]`` as
+    int64 words -- on the CPU the very tensor the calling thread built, on CUDA
+    its pinned copy, complete once ``event`` has completed.
     """
 
     seq: int
@@ -126,9 +141,11 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
             config: int, base_type: type[Any]) -> LocalMeta:
     """This rank's contribution to shuffle ``seq``; never raises for bad input.
 
-    Host-visible problems (wrong type, layout, workload shape) go into the
-    status; value-level ones are detected on the device into the status word.
-    Reads no tensor value.
+    Problems visible from shapes and dtypes (wrong type, layout, workload
+    shape) go into the status here; the values are checked by :func:`message`
+    in the background. Reads no tensor value: one concatenation of the
+    workloads and every KJT's lengths (and on CUDA a non-blocking copy to
+    pinned memory) is all the device work.
     """
     meta = LocalMeta(seq, rank, config)
     if not isinstance(batch, base_type):
@@ -146,9 +163,10 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     problems = layout_problems(batch, layout)
     if problems:
         return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")
+    kjts = batch.kjt_fields()
     for s in layout.sections:
         if s.jagged:
-            kjt = batch.kjt_fields()[s.field]
+            kjt = kjts[s.field]
             meta.numels[(s.field, s.part)] = (kjt.values() if s.part == "values" else kjt.weights()).numel()
     if workload_fn is None:
         w = torch.zeros(b, dtype=torch.float64, device=batch.device)
@@ -160,7 +178,9 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
         if w.dim() != 1 or w.numel() != b or w.is_complex() or w.dtype == torch.bool:
             return _fail(meta, Status.BAD_INPUT, f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, "
                          f"expected [batch_size={b}] of an integer or floating dtype (rank {rank})")
-    part = _device_part(w.to(batch.device, non_blocking=True), lengths_matrix(batch, layout), meta.real)
+    parts = [w.to(device=batch.device, dtype=torch.float64, non_blocking=True).view(torch.int64)]
+    parts += [kjts[k.name].lengths().reshape(-1).to(torch.int64) for k in layout.kjts]
+    part = torch.cat(parts)
     if part.device.type == "cuda":
         meta.host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
         meta.host.copy_(part, non_blocking=True)
@@ -169,27 +189,6 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     else:
         meta.host = part
     return meta
-
-
-def _device_part(w: torch.Tensor, lengths: torch.Tensor, real: int) -> torch.Tensor:
-    """``[status, detail, bad value, workloads (B), lengths]`` int64 words, on the device."""
-    x = w.to(torch.float64)
-    is_real = torch.arange(x.numel(), device=x.device) < real
-    neg = (x < 0) & is_real
-    nonfinite = ~torch.isfinite(x) & is_real
-    bad = neg | nonfinite
-    status = neg.any().long() * Status.NEGATIVE + nonfinite.any().long() * Status.NONFINITE
-    first = torch.where(bad.any(), bad.long().argmax(), -1)
-    value = x.gather(0, first.clamp(min=0).reshape(1)).reshape(())
-    clean = torch.where(bad | ~is_real, 0.0, x)
-    flat = lengths.reshape(-1)
-    if flat.numel():
-        status = status + ((flat < 0) | (flat > _INT32_MAX)).any().long() * Status.BAD_LENGTHS
-    l32 = flat.clamp(0, _INT32_MAX).to(torch.int32)
-    if l32.numel() % 2:
-        l32 = torch.cat([l32, l32.new_zeros(1)])
-    head = torch.stack([status, first.to(torch.int64), value.view(torch.int64)])
-    return torch.cat([head, clean.view(torch.int64), l32.view(torch.int64)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +202,8 @@ class LocalData:
 def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) -> tuple[np.ndarray, LocalData | None]:
     """The int64 message of ``meta`` under ``agreed`` (background thread).
 
-    Waits for the device copy, finishes the value checks, and returns the
-    message and this rank's data (``None`` when unusable).
+    Waits for the device copy, checks the values, and returns the message and
+    this rank's data (``None`` when unusable).
 
     Args:
         prev: ``(seq, plan digest)`` of this shuffler's previous shuffle, or ``(-1, 0)``.
@@ -215,12 +214,13 @@ def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) ->
         if meta.event is not None:
             meta.event.synchronize()
         words = meta.host.numpy()
-        meta.status |= int(words[0])
-        detail, bad_value = int(words[1]), int(words[2])
         b, k = meta.batch_size, meta.num_lengths
-        workloads = words[3 : 3 + b].view(np.float64)
-        lengths = words[3 + b :].view(np.int32)[: k * b].reshape(k, b).astype(np.int64)
-        _value_checks(meta, lengths, detail, _as_float(bad_value))
+        workloads = words[:b].view(np.float64).copy()
+        workloads[meta.real :] = 0.0  # padding costs nothing, whatever workload_fn said
+        lengths = words[b : b + k * b].reshape(k, b)
+        detail, value = _workload_checks(meta, workloads)
+        bad_value = int(np.array(value, np.float64).view(np.int64))
+        _value_checks(meta, lengths, detail, value)
         data = LocalData(workloads, lengths)
     size = payload_words(agreed)
     msg = np.zeros(HEADER_LEN + size, np.int64)
@@ -238,12 +238,26 @@ def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) ->
     return msg, (data if meta.status == 0 else None)
 
 
-def _as_float(bits: int) -> float:
-    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+def _workload_checks(meta: LocalMeta, workloads: np.ndarray) -> tuple[int, float]:
+    """Status bits for negative / non-finite real workloads (cleared to 0);
+    returns the first offending index and its value, or ``(-1, 0.0)``."""
+    x = workloads[: meta.real]
+    nonfinite = ~np.isfinite(x)
+    negative = x < 0
+    bad = nonfinite | negative
+    if not bad.any():
+        return -1, 0.0
+    meta.status |= (Status.NEGATIVE if negative.any() else 0) | (Status.NONFINITE if nonfinite.any() else 0)
+    first = int(np.argmax(bad))
+    value = float(x[first])
+    x[bad] = 0.0
+    return first, value
 
 
 def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: float) -> None:
     r = meta.rank
+    if lengths.size and (lengths.min() < 0 or lengths.max() > _INT32_MAX):
+        meta.status |= Status.BAD_LENGTHS
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")
     if meta.status & Status.NONFINITE:

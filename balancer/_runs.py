@@ -1,20 +1,15 @@
-"""Copy runs of a buffer into a contiguous output, with every size known on the host.
+"""Copies of runs of a buffer, planned on the host (numpy only).
 
 Phase 2 moves bytes whose positions the plan computed on the host: "elements
 ``[start, start + length)`` of this buffer, in this order". One such copy is a
-:class:`RunGather`. Planning it is numpy (the background thread does it);
-executing it is one kernel and never reads a device value:
+:class:`RunGather`, planned here (in the torch-free planner process or the
+shuffler's background thread) and executed by :mod:`balancer._gather` with one
+kernel that never reads a device value: the runs and the gaps between them
+tile the buffer into segments, and a permutation lists the runs in output
+order.
 
-* ``torch.ops.fbgemm.permute_1D_sparse_data`` when the element size has a
-  kernel (8, 4 and 2 bytes, through :func:`balancer._layout.opaque` views):
-  the runs and the gaps between them tile the buffer into segments, and the
-  permutation lists the runs in output order. Passing the output size spares
-  the kernel a device-to-host sync.
-* otherwise (1-byte elements, or no fbgemm): an index built on the device with
-  ``repeat_interleave(..., output_size=total)``, then ``index_select``.
-
-Index arrays travel in one :class:`IndexBlob` per shuffle: one host buffer,
-one (pinned, non-blocking) copy to the device.
+Index arrays travel in one :class:`IndexBlob` per shuffle: one host buffer
+per dtype, one (pinned, non-blocking) copy to the device.
 
 Example (buffer of 10 elements, runs ``(6, 4)`` then ``(0, 2)``)::
 
@@ -25,31 +20,15 @@ Example (buffer of 10 elements, runs ``(6, 4)`` then ``(0, 2)``)::
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import numpy as np
-import torch
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["IndexBlob", "RunGather", "merge_runs", "plan_runs", "take_runs"]
-
-
-def _has_permute() -> bool:
-    try:
-        torch.ops.fbgemm.permute_1D_sparse_data  # noqa: B018 - lookup raises if absent
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-_PERMUTE = _has_permute()
-_FBGEMM_ITEMSIZES = frozenset({8, 4, 2})
+__all__ = ["HostBlob", "IndexBlob", "RunGather", "merge_runs", "plan_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RunGather:
-    """A planned copy of runs; :func:`take_runs` executes it.
+    """A planned copy of runs; :func:`balancer._gather.take_runs` executes it.
 
     Attributes:
         total: elements of the output.
@@ -84,46 +63,24 @@ class IndexBlob:
         self._i32.append(np.ascontiguousarray(a, dtype=np.int32).reshape(-1))
         return len(self._i32) - 1
 
-    def freeze(self, pin: bool) -> FrozenBlob:
-        """One host buffer per dtype; ``pin`` puts them in pinned memory so the
-        copy to the device can be asynchronous."""
-        return FrozenBlob(_concat(self._i64, np.int64, pin), [a.size for a in self._i64],
-                          _concat(self._i32, np.int32, pin), [a.size for a in self._i32])
+    def freeze(self) -> HostBlob:
+        """One host array per dtype."""
+        return HostBlob(_concat(self._i64, np.int64), tuple(a.size for a in self._i64),
+                        _concat(self._i32, np.int32), tuple(a.size for a in self._i32))
 
 
-def _concat(arrays: list[np.ndarray], dtype: type, pin: bool) -> torch.Tensor:
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype)
-    t = torch.from_numpy(flat)
-    return t.pin_memory() if pin and t.numel() else t
-
-
-@dataclasses.dataclass
-class FrozenBlob:
-    """The host buffers of an :class:`IndexBlob` and, once :meth:`to` ran, their
-    device copies, sliced back into the arrays."""
-
-    host64: torch.Tensor
-    sizes64: list[int]
-    host32: torch.Tensor
-    sizes32: list[int]
-
-    def to(self, device: torch.device) -> DeviceBlob:
-        """Copy to ``device`` (non-blocking from pinned memory; a view on the CPU)."""
-        # The caching host allocator keeps the pinned source alive until the
-        # copy has run, so the host buffers may be dropped after this call.
-        d64 = self.host64.to(device, non_blocking=True)
-        d32 = self.host32.to(device, non_blocking=True)
-        return DeviceBlob(_split(d64, self.sizes64), _split(d32, self.sizes32))
-
-
-def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, sizes)) if sizes else []
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceBlob:
-    i64: list[torch.Tensor]
-    i32: list[torch.Tensor]
+class HostBlob:
+    """The arrays of an :class:`IndexBlob`, concatenated per dtype (picklable)."""
+
+    i64: np.ndarray
+    sizes64: tuple[int, ...]
+    i32: np.ndarray
+    sizes32: tuple[int, ...]
 
 
 def merge_runs(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,22 +114,3 @@ def plan_runs(blob: IndexBlob, src_numel: int, starts: np.ndarray, lengths: np.n
     out_starts = np.cumsum(lengths) - lengths
     return RunGather(total, src_numel, blob.add64(segs), blob.add32(2 * position + 1),
                      blob.add64(starts), blob.add64(lengths), blob.add64(out_starts))
-
-
-def take_runs(src: torch.Tensor, g: RunGather, blob: DeviceBlob) -> torch.Tensor:
-    """Execute ``g`` on the 1-D tensor ``src``; returns ``[g.total]`` of src's dtype."""
-    assert src.numel() == g.src_numel, f"source has {src.numel()} elements, planned {g.src_numel}"
-    if g.total == 0:
-        return src.new_empty(0)
-    if _PERMUTE and src.element_size() in _FBGEMM_ITEMSIZES:
-        try:
-            _, out, _ = torch.ops.fbgemm.permute_1D_sparse_data(
-                blob.i32[g.permute], blob.i64[g.segments], src, None, g.total)
-            return out  # type: ignore[no-any-return]
-        except (NotImplementedError, RuntimeError) as e:  # a build without this dtype/device
-            logger.debug("permute_1D_sparse_data failed for %s (%s); using index_select", src.dtype, e)
-    lengths = blob.i64[g.lengths]
-    shift = blob.i64[g.starts] - blob.i64[g.out_starts]
-    idx = torch.repeat_interleave(shift, lengths, output_size=g.total)
-    idx += torch.arange(g.total, device=src.device)
-    return src.index_select(0, idx)

@@ -48,19 +48,11 @@ from torch.profiler import record_function
 
 from balancer import _comm
 from balancer._comm import ShuffleGroups
-from balancer._exchange import Exchange, Traffic, plan_exchange
+from balancer._exchange import Exchange, Traffic
+from balancer._gather import HostTensors, host_tensors
 from balancer._layout import WireLayout, fingerprint, wire_layout
-from balancer._plan import (
-    Gathered,
-    PartitionFn,
-    moved_mask,
-    partition,
-    plan_digest,
-    plan_rank,
-    real_mask,
-)
+from balancer._plan import PartitionFn
 from balancer._protocol import (
-    H_REAL,
     HEADER_LEN,
     Agreement,
     LocalMeta,
@@ -73,6 +65,7 @@ from balancer._protocol import (
     message,
 )
 from balancer._stats import ShuffleStats, build_stats, format_stats
+from balancer._step import Step, plan_step
 from balancer._version import __version__
 from balancer.batch import BaseBatch, replace_unchecked
 from balancer.config import (
@@ -114,6 +107,7 @@ class _Outcome:
     """The background work's result: this rank's phase 2, ready to run."""
 
     exchange: Exchange | None  # None: nothing moves anywhere, phase 2 is skipped
+    blob: HostTensors | None  # the exchange's index arrays (pinned when CUDA is present)
     layout: WireLayout | None
     stats: ShuffleStats
     dest: np.ndarray
@@ -256,18 +250,18 @@ class _ShufflerBase:
 
     def _local_job(self, meta: LocalMeta, comm: str) -> _Outcome:
         """Background work of a shuffle that communicates nothing (W == 1, identity)."""
-        message(meta, meta.agreement(), (-1, 0))
-        if meta.status:
+        _, data = message(meta, meta.agreement(), (-1, 0))
+        if meta.status or data is None:
             raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
                              f"rank(s) [0]: {meta.error}") from meta.cause
         assert meta.host is not None, "a valid capture has data"
         b = meta.batch_size
-        workloads = meta.host.numpy()[3 : 3 + b].view(np.float64).copy()
+        workloads = data.workloads
         stats = build_stats(seq=meta.seq, rank=meta.rank, comm=comm, workloads=workloads,
                             dest=np.zeros(b, np.int64), real=np.array([meta.real]),
                             lower_bound=max(float(workloads.sum()), float(workloads.max(initial=0.0))),
                             partition_s=0.0, traffic=Traffic(), background_s=0.0)
-        return _Outcome(None, meta.layout, stats, np.zeros(b, np.int64))
+        return _Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64))
 
     def _wait(self, handle: ShuffleHandle, limit: float | None) -> _Outcome:
         assert handle._job is not None, "only handles with background work are waited for"
@@ -445,8 +439,9 @@ class BatchShuffler(_ShufflerBase):
                 groups = self._groups_for(group)
                 target = groups.phase2_group(batch.device)
                 try:
-                    out, collective_s = _comm.execute(batch, outcome.layout, outcome.exchange, target,
-                                                      replace_unchecked)
+                    assert outcome.blob is not None, "an exchange has index arrays"
+                    out, collective_s = _comm.execute(batch, outcome.layout, outcome.exchange, outcome.blob,
+                                                      target, replace_unchecked)
                 except RuntimeError as e:
                     if target is groups.user:
                         raise
@@ -486,26 +481,28 @@ class BatchShuffler(_ShufflerBase):
             else:
                 raise AssertionError("phase-1 agreement did not settle in two rounds")
             assert agreed is not None and meta.layout is not None, "an ok verdict follows an agreement"
-            g = _gathered(rows, agreed)
-            result = partition(g, meta.layout, fn=None if self.executor == "process" else self.partition,
-                               worker=self._child() if self.executor == "process" else None,
-                               locality=self.locality, localize=localize, lower_bound=lower_bound)
-            digest = plan_digest(result.dest)
-            if self._verify:
-                self._check_plans(groups, meta.seq, digest)
-            self._prev[key] = (meta.seq, digest)
-            b = agreed.batch_size
-            plan = plan_rank(result.dest, b, g.real, groups.rank)
-            moves = bool((moved_mask(result.dest, b) & real_mask(g.real, b)).any())
-            exchange = plan_exchange(self.comm, meta.layout, g, plan) if moves else None
-            if exchange is not None and torch.cuda.is_available():
-                exchange = dataclasses.replace(exchange, blob=_pinned(exchange))
-            stats = build_stats(
-                seq=meta.seq, rank=groups.rank, comm=self.comm if moves else "none", workloads=g.workloads,
-                dest=result.dest, real=g.real, lower_bound=result.lower_bound, partition_s=result.seconds,
-                traffic=exchange.traffic if exchange is not None else Traffic(),
-                background_s=perf_counter() - t0)
-            return _Outcome(exchange, meta.layout, stats, result.dest)
+            kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
+                          comm=self.comm, locality=self.locality)
+            if self.executor == "process":
+                step = self._planned(kwargs)
+            else:
+                step = plan_step(**kwargs, fn=self.partition, localize=localize, lower_bound=lower_bound)
+                if self._verify:
+                    self._check_plans(groups, meta.seq, step.digest)
+            self._prev[key] = (meta.seq, step.digest)
+            ex = step.exchange
+            blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
+            stats = dataclasses.replace(step.stats, background_s=perf_counter() - t0)
+            return _Outcome(ex, blob, meta.layout, stats, step.dest)
+
+    def _planned(self, kwargs: dict[str, Any]) -> Step:
+        """The step from the planner process; if it died (killed, out of memory),
+        the same :func:`plan_step` here, which every other rank's planner also runs."""
+        try:
+            return self._child().submit_step(**kwargs).wait_step()  # type: ignore[no-any-return]
+        except (EOFError, OSError) as e:
+            logger.warning("balancer: the planner process failed (%s); planning in-process", e)
+            return plan_step(**kwargs)
 
     def _collective(self, groups: ShuffleGroups, seq: int, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -560,22 +557,6 @@ class BatchShuffler(_ShufflerBase):
         if self._worker is None:
             self._worker = PartitionWorker()  # closes itself when garbage collected
         return self._worker
-
-
-def _gathered(rows: np.ndarray, agreed: Agreement) -> Gathered:
-    b, k = agreed.batch_size, agreed.num_lengths
-    w = rows.shape[0]
-    real = rows[:, H_REAL].astype(np.int64)
-    workloads = rows[:, HEADER_LEN : HEADER_LEN + b].copy().view(np.float64)
-    workloads[np.arange(b)[None, :] >= real[:, None]] = 0.0
-    lengths = rows[:, HEADER_LEN + b :].copy().view(np.int32)[:, : k * b].reshape(w, k, b).astype(np.int64)
-    return Gathered(workloads.reshape(-1), lengths, real)
-
-
-def _pinned(ex: Exchange) -> Any:
-    blob = ex.blob
-    return dataclasses.replace(blob, host64=blob.host64.pin_memory() if blob.host64.numel() else blob.host64,
-                               host32=blob.host32.pin_memory() if blob.host32.numel() else blob.host32)
 
 
 def _mismatch(batch: Any, meta: LocalMeta | None) -> str:

@@ -7,10 +7,12 @@ slowest. Balancer off and on run side by side in one launch, alternating
 repetitions, so machine noise hits both alike.
 
 With the balancer on, the shuffle is pipelined as in training: phase 1 of batch
-s+1 (workload all-gather + partition submitted to the pool thread) is issued
-before the compute of batch s, phase 2 (redistribution) after the gradient
-all-reduce. Phase 1 and 2 are on the critical path here (CPU, no streams): that
-is the *exposed* overhead; the partition itself runs hidden in its thread.
+s+1 (workloads captured; the metadata all-gather, partition and plan queued to
+the shuffler's background thread) is issued before the compute of batch s,
+phase 2 (one collective) after the gradient all-reduce. Phase 1 and 2 on the
+calling thread are the *exposed* overhead (CPU, no streams); per step the table
+shows phase 1, the background work (hidden unless waited for), the wait for
+it, the collective, phase 2, and the host-blocked time (wait + collective).
 
 Each rank is pinned to one core with one intra-op thread. With W=4 on a 2-core
 machine two ranks share a core, so wall-clock step times reflect per-core sums;
@@ -140,6 +142,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                         "phase2_s": t4 - t3,
                         "partition_s": stats.partition_s,
                         "wait_s": stats.wait_s,
+                        "collective_s": stats.collective_s,
+                        "background_s": stats.background_s,
+                        "host_blocked_s": stats.host_blocked_s,
                         "bytes_sent": stats.bytes_sent,
                         "max_over_mean_before": stats.imbalance_before,
                         "max_over_mean_after": stats.imbalance_after,
@@ -173,6 +178,9 @@ def summarize(cfg: dict[str, Any], per_rank: Sequence[dict[str, Any]]) -> dict[s
             res["phase2_ms"] = 1e3 * statistics.median(max(x["phase2_s"] for x in st) for st in steps)
             res["partition_ms"] = 1e3 * statistics.median(st[0]["partition_s"] for st in steps)
             res["wait_ms"] = 1e3 * statistics.median(max(x["wait_s"] for x in st) for st in steps)
+            res["collective_ms"] = 1e3 * statistics.median(max(x["collective_s"] for x in st) for st in steps)
+            res["background_ms"] = 1e3 * statistics.median(max(x["background_s"] for x in st) for st in steps)
+            res["host_blocked_ms"] = 1e3 * statistics.median(max(x["host_blocked_s"] for x in st) for st in steps)
             res["exposed_frac"] = statistics.median(e / t for e, t in zip(exposed, step_t, strict=True))
             res["bytes_sent_per_rank"] = statistics.median(
                 sum(x["bytes_sent"] for x in st) / len(st) for st in steps
@@ -289,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     hdr = (f"{'W':>3} {'dist':>9} {'B':>4} | {'off ms':>8} {'on ms':>8} {'speedup':>7} {'ideal':>6} | "
-           f"{'strag off':>9} {'strag on':>8} | {'ph1 ms':>6} {'part ms':>7} {'ph2 ms':>6} {'exposed':>7} | "
+           f"{'strag off':>9} {'strag on':>8} | {'ph1 ms':>6} {'bg ms':>6} {'part ms':>7} {'wait ms':>7} "
+           f"{'coll ms':>7} {'ph2 ms':>6} {'blocked':>7} {'exposed':>7} | "
            f"{'KiB sent':>8} | {'proj':>5} {'err':>6}")
     print(hdr)
     with out_path.open("a") as f:
@@ -312,8 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f.write(json.dumps({"bench": "e2e", **env, **r}) + "\n")
                     print(f"{world:>3} {dist_name:>9} {b:>4} | {r['off_step_ms']:>8.1f} {r['on_step_ms']:>8.1f} "
                           f"{r['speedup']:>7.3f} {r['ideal_speedup']:>6.3f} | {r['off_straggler']:>9.3f} "
-                          f"{r['on_straggler']:>8.3f} | {r['phase1_ms']:>6.2f} {r['partition_ms']:>7.2f} "
-                          f"{r['phase2_ms']:>6.2f} {100 * r['exposed_frac']:>6.2f}% | "
+                          f"{r['on_straggler']:>8.3f} | {r['phase1_ms']:>6.2f} {r['background_ms']:>6.2f} "
+                          f"{r['partition_ms']:>7.2f} {r['wait_ms']:>7.2f} {r['collective_ms']:>7.2f} "
+                          f"{r['phase2_ms']:>6.2f} {r['host_blocked_ms']:>7.2f} {100 * r['exposed_frac']:>6.2f}% | "
                           f"{r['bytes_sent_per_rank'] / 1024:>8.1f} | {r['projected_speedup']:>5.2f} "
                           f"{100 * r['projection_error']:>+5.1f}%", flush=True)
         if a.project:

@@ -13,6 +13,7 @@ import torch
 
 from balancer._comm import assemble, pack, receive_buffer
 from balancer._exchange import plan_exchange
+from balancer._gather import host_tensors, upload
 from balancer._layout import wire_layout
 from balancer._plan import Gathered, plan_rank
 from balancer._protocol import lengths_matrix
@@ -28,9 +29,9 @@ def simulate(batches: list, dest: np.ndarray, comm: str, device: str = "cpu") ->
     lengths = np.stack([lengths_matrix(x, layout).numpy() for x in batches])
     real = np.array([x.actual_batch_size for x in batches])
     g = Gathered(np.zeros(w * b), lengths, real)
-    plans = [plan_exchange(comm, layout, g, plan_rank(dest, b, real, r)) for r in range(w)]
+    plans = [plan_exchange(comm, layout.plan_layout(), g, plan_rank(dest, b, real, r)) for r in range(w)]
     dev = torch.device(device)
-    blobs = [p.blob.to(dev) for p in plans]
+    blobs = [upload(host_tensors(p.blob, pin=dev.type == "cuda"), dev) for p in plans]
     sends = [pack(x.to(dev), layout, p, bl) for x, p, bl in zip(batches, plans, blobs, strict=True)]
     outs = []
     for r in range(w):

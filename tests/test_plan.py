@@ -82,7 +82,7 @@ def _gathered(workloads: np.ndarray, w: int, b: int, real: np.ndarray | None = N
 
 def test_partition_never_worsens_the_max_load_and_bounds_it() -> None:
     rng = np.random.default_rng(1)
-    layout = wire_layout(layout_batch(["a", "b"], b=4))
+    layout = wire_layout(layout_batch(["a", "b"], b=4)).plan_layout()
     for _ in range(30):
         w, b = 3, 4
         workloads = rng.integers(0, 20, size=w * b)
@@ -103,7 +103,7 @@ def test_partition_never_worsens_the_max_load_and_bounds_it() -> None:
 def test_child_thread_and_in_process_partitions_agree() -> None:
     """The child process, its in-process fallback and the thread path give the same destinations."""
     rng = np.random.default_rng(4)
-    layout = wire_layout(layout_batch(["a", "b"], b=8))
+    layout = wire_layout(layout_batch(["a", "b"], b=8)).plan_layout()
     worker = PartitionWorker()
     try:
         for _ in range(8):
@@ -127,7 +127,32 @@ def test_plan_digest_tells_plans_apart() -> None:
 
 def test_sample_bytes() -> None:
     batch = layout_batch(["a", "b"])
-    lay = wire_layout(batch)
+    lay = wire_layout(batch).plan_layout()
     lengths = np.array([[[1, 2, 0, 0], [0, 3, 0, 0]]])  # one rank, 2 keys, B=4
     # per sample: int64 values + fp16 weights per element, a f32 label, 3 f64 dense
     assert sample_bytes(lay, lengths).tolist() == [10 + 4 + 24, 50 + 4 + 24, 28, 28]
+
+
+def test_plan_step_in_the_planner_process_equals_in_process() -> None:
+    """The planner process and the in-thread fallback return the same Step (dest, exchange, stats)."""
+    from balancer._header import H_REAL, HEADER_LEN
+    from balancer._step import plan_step
+
+    rng = np.random.default_rng(9)
+    layout = wire_layout(layout_batch(["a", "b"], b=8)).plan_layout()
+    w, b = 3, 8
+    rows = np.zeros((w, HEADER_LEN + b + b), np.int64)
+    rows[:, H_REAL] = [8, 5, 8]
+    rows[:, HEADER_LEN : HEADER_LEN + b] = (rng.lognormal(2, 1, (w, b)) * 1e-3).view(np.int64)
+    rows[:, HEADER_LEN + b :] = rng.integers(0, 9, (w, 2 * b)).astype(np.int32).view(np.int64)
+    worker = PartitionWorker()
+    try:
+        for rank in range(w):
+            args = dict(rows=rows, layout=layout, seq=3, rank=rank, comm="all2all", locality=True)
+            child, local = worker.submit_step(**args).wait_step(), plan_step(**args)
+            assert child.digest == local.digest and child.dest.tolist() == local.dest.tolist()
+            assert child.exchange.send_splits == local.exchange.send_splits
+            assert np.array_equal(child.exchange.blob.i64, local.exchange.blob.i64)
+            assert child.stats.load_after == local.stats.load_after
+    finally:
+        worker.close()

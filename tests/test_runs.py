@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from balancer import _runs
-from balancer._runs import IndexBlob, merge_runs, plan_runs, take_runs
+from balancer import _gather
+from balancer._gather import host_tensors, take_runs, upload
+from balancer._runs import IndexBlob, merge_runs, plan_runs
 
 
 def test_merge_runs() -> None:
@@ -20,7 +21,7 @@ def test_merge_runs() -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.uint8])
 @pytest.mark.parametrize("use_fbgemm", [True, False])
 def test_take_runs_is_bit_exact(dtype: torch.dtype, use_fbgemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_runs, "_PERMUTE", use_fbgemm and _runs._PERMUTE)
+    monkeypatch.setattr(_gather, "_PERMUTE", use_fbgemm and _gather._PERMUTE)
     rng = np.random.default_rng(0)
     raw = torch.from_numpy(rng.integers(0, 256, 4096).astype(np.uint8))
     raw[:64] = 0xFF  # NaN bit patterns for the floating unit
@@ -31,7 +32,7 @@ def test_take_runs_is_bit_exact(dtype: torch.dtype, use_fbgemm: bool, monkeypatc
         order = rng.permutation(starts.size)
         blob = IndexBlob()
         g = plan_runs(blob, buf.numel(), starts[order], (ends - starts)[order])
-        got = take_runs(buf, g, blob.freeze(False).to(torch.device("cpu")))
+        got = take_runs(buf, g, upload(host_tensors(blob.freeze(), pin=False), torch.device("cpu")))
         want = torch.cat([buf[a:b] for a, b in zip(starts[order], ends[order], strict=True)] + [buf[:0]])
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 

@@ -1,0 +1,97 @@
+"""One shuffle's planning, from the gathered phase-1 messages to this rank's plan (numpy only).
+
+After every rank agreed (:mod:`balancer._protocol`), what remains is pure
+computation on the gathered messages: the partition, this rank's plan, every
+byte and index of phase 2, and the statistics. :func:`plan_step` does all of
+it, importing no torch, so it runs where it costs the training loop nothing:
+
+* in the shuffler's torch-free planner process (``executor="process"``, the
+  default), where it never holds the training process's GIL;
+* in the shuffler's background thread, for a custom partition function
+  (``executor="thread"``) or when the planner process died -- the same
+  function on the same input, so every rank gets the same plan either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from balancer._exchange import Exchange, Traffic, plan_exchange
+from balancer._header import H_REAL, HEADER_LEN
+from balancer._plan import (
+    Gathered,
+    PartitionFn,
+    PlanLayout,
+    moved_mask,
+    partition,
+    plan_digest,
+    plan_rank,
+    real_mask,
+)
+from balancer._stats import ShuffleStats, build_stats
+
+__all__ = ["Step", "gathered_from", "plan_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """This rank's plan for one shuffle (picklable: it crosses the process boundary).
+
+    Attributes:
+        dest: [W * B] destination rank of every global sample.
+        digest: :func:`balancer._plan.plan_digest` of ``dest``.
+        exchange: phase 2 of this rank, or ``None`` when no sample moves anywhere.
+        stats: the shuffle's statistics (calling-thread times still 0).
+    """
+
+    dest: np.ndarray
+    digest: int
+    exchange: Exchange | None
+    stats: ShuffleStats
+
+
+def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gathered:
+    """Every rank's workloads, lengths and real counts from the gathered messages ``[W, len]``."""
+    b, k = batch_size, num_lengths
+    w = rows.shape[0]
+    real = rows[:, H_REAL].astype(np.int64)
+    workloads = rows[:, HEADER_LEN : HEADER_LEN + b].copy().view(np.float64)
+    workloads[np.arange(b)[None, :] >= real[:, None]] = 0.0
+    lengths = rows[:, HEADER_LEN + b :].copy().view(np.int32)[:, : k * b].reshape(w, k, b).astype(np.int64)
+    return Gathered(workloads.reshape(-1), lengths, real)
+
+
+def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm: str, locality: bool,
+              fn: PartitionFn | None = None, localize: Callable[..., Any] | None = None,
+              lower_bound: Callable[..., float] | None = None) -> Step:
+    """Partition, plan and describe shuffle ``seq`` for ``rank``.
+
+    Args:
+        rows: [W, len] gathered phase-1 messages (all valid under ``layout``).
+        layout: the agreed layout.
+        fn: a custom partition function, or ``None`` for ``balanced_partition``
+            (+ ``localize`` with ``locality``) run right here.
+        localize, lower_bound: what a custom ``fn`` is refined and bounded with.
+    """
+    g = gathered_from(rows, layout.batch_size, layout.num_lengths)
+    if fn is None:
+        from balancer.partition import localize as _localize
+        from balancer.partition import lower_bound as _lower_bound
+
+        localize, lower_bound = _localize, _lower_bound
+    assert localize is not None and lower_bound is not None, "a custom partition comes with both"
+    result = partition(g, layout, fn=fn, worker=None, locality=locality, localize=localize,
+                       lower_bound=lower_bound)
+    b = layout.batch_size
+    plan = plan_rank(result.dest, b, g.real, rank)
+    moves = bool((moved_mask(result.dest, b) & real_mask(g.real, b)).any())
+    exchange = plan_exchange(comm, layout, g, plan) if moves else None
+    stats = build_stats(seq=seq, rank=rank, comm=comm if moves else "none", workloads=g.workloads,
+                        dest=result.dest, real=g.real, lower_bound=result.lower_bound,
+                        partition_s=result.seconds, traffic=exchange.traffic if exchange else Traffic(),
+                        background_s=0.0)
+    return Step(result.dest, plan_digest(result.dest), exchange, stats)
