@@ -1,0 +1,71 @@
+"""Smoke test: ``benchmarks/bench_gpu.py --quick`` runs on CPU and writes a well-formed
+table, JSON lines and plot. Checks shapes and invariants, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"off", "kk", "on:flops", "on:calib"}
+ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib) \|(.*)$", re.M)
+
+
+def test_bench_gpu_quick(tmp_path: Path) -> None:
+    out, png = tmp_path / "gpu.jsonl", tmp_path / "gpu.png"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--json-out", str(out)]
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    if has_mpl:
+        cmd += ["--plot", str(png)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    tail = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, tail
+
+    # Table: one row per (W, B, mode), every configuration of --quick.
+    rows = ROW.findall(proc.stdout)
+    assert {(int(w), int(b), m) for w, b, m, _ in rows} == {
+        (w, b, m) for w in (2, 4) for b in (4, 8) for m in MODES}, tail
+    assert "pred flops" in proc.stdout and "pred calib" in proc.stdout
+    for mode in ("none", "fenced", "side"):
+        assert re.search(rf"^ *{mode} \| +[\d.]+", proc.stdout, re.M), tail
+
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    emu = [r for r in records if r["bench"] == "gpu_emulation"]
+    shuffle = [r for r in records if r["bench"] == "gpu_shuffle"]
+    assert len(emu) == 4 and len(shuffle) == 1
+    for r in records:
+        for key in ("torch", "torch_cuda", "torchrec", "numpy", "python", "platform", "device", "attention"):
+            assert key in r, key
+        assert r["device"] == "cpu" and r["attention"] == "loop"
+    for r in emu:
+        assert set(r["modes"]) == MODES
+        cal = r["calibration"]
+        assert min(cal["a"], cal["b"], cal["c"]) >= 0 and len(cal["lengths"]) == len(cal["times_s"])
+        for m, v in r["modes"].items():
+            for key in ("step_ms", "mean_rank_ms", "speedup", "ideal_speedup"):
+                assert math.isfinite(v[key]) and v[key] > 0, (m, key)
+            assert v["straggler"] >= 1.0 and v["predicted_straggler"] >= 1.0
+            assert len(v["rank_ms_first_step"]) == r["world"]
+        off = r["modes"]["off"]
+        assert off["speedup"] == 1.0 and off["ideal_speedup"] == 1.0
+        # Balancing never raises the straggler its own cost model predicts.
+        for cost in ("flops", "calib"):
+            on = r["modes"][f"on:{cost}"]
+            assert on["predicted_by"] == cost
+            assert on["predicted_straggler_by_cost"][cost] <= off["predicted_straggler_by_cost"][cost] + 1e-9
+
+    sh = shuffle[0]
+    assert sh["shuffle_matches"] is True
+    assert 1.0 <= sh["imbalance_after"] <= sh["imbalance_before"]
+    for mode in ("none", "fenced", "side"):
+        assert sh[f"{mode}_step_ms"] > 0 and sh[f"{mode}_blocked_ms"] >= 0
+        assert sh[f"{mode}_syncs_per_step"] is None  # counted on CUDA only
+    if has_mpl:
+        assert png.stat().st_size > 0
