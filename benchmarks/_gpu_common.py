@@ -24,9 +24,7 @@ import importlib.metadata
 import inspect
 import os
 import platform
-import queue
 import subprocess
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from time import perf_counter
@@ -34,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -305,52 +302,3 @@ def environment(device: torch.device) -> dict[str, Any]:
         except (OSError, IndexError, subprocess.SubprocessError):
             env["driver"] = None
     return env
-
-
-# ------------------------------------------------------------- process launch
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out: tuple[str, Any] = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    q.put((rank, out))
-
-
-def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; per-rank results.
-
-    Workers come from a ``forkserver``: this process may hold CUDA, and CUDA
-    (and autograd) refuse forked children. ``balancer.testing.run_workers``
-    forks on this branch; switch to it once it uses a forkserver.
-    """
-    from balancer.testing import free_port
-
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torchrec"])
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, out = q.get(timeout=timeout)
-            results[rank] = out
-    except queue.Empty as e:
-        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s") from e
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = [f"--- rank {r}:\n{out[1]}" for r, out in sorted(results.items()) if out[0] != "ok"]
-    if errors:
-        raise RuntimeError("shuffle workers failed:\n" + "\n".join(errors))
-    return [results[r][1] for r in range(world)]

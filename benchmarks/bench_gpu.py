@@ -55,13 +55,13 @@ from _gpu_common import (  # noqa: E402
     dtype_for,
     environment,
     fwd_bwd_times,
-    launch,
     pack,
     select_backend,
 )
 
 from balancer import SelfAttentionCost, fit_polynomial  # noqa: E402
 from balancer.partition import balanced_partition, karmarkar_karp  # noqa: E402
+from balancer.testing import run_workers  # noqa: E402
 
 MAX_COST = 2**62  # as balancer.workloads: int64 costs with headroom
 
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "cost": coeffs[a.kk_cost], "cost_model": a.kk_cost, "batch_size": a.shuffle_batch_size,
                    "steps": a.shuffle_steps, "reps": a.shuffle_reps, "max_len": a.max_len, "alpha": a.alpha,
                    "seed": a.seed}
-            sh = _gpu_shuffle.summarize(cfg, launch(_gpu_shuffle.worker, 2, cfg, timeout=1800))
+            sh = _gpu_shuffle.summarize(cfg, run_workers(_gpu_shuffle.worker, 2, cfg, timeout=1800))
             f.write(json.dumps({"bench": "gpu_shuffle", **env, **meta, **sh}) + "\n")
             print("\n" + _gpu_shuffle.format_table(sh))
     if a.plot:
