@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._partition_free import free_assign, labels_to_lists
 from balancer._partition_kk import kk_equal, kk_free
 from balancer._partition_locality import localize_rows
 from balancer._partition_lpt import lpt
@@ -63,6 +64,7 @@ __all__ = [
     "PartitionStats",
     "PartitionWorker",
     "balanced_partition",
+    "free_partition",
     "imbalance",
     "karmarkar_karp",
     "localize",
@@ -394,3 +396,40 @@ def imbalance(workloads: Any, num_parts: int) -> PartitionStats:
     """Stats of "no balancing": contiguous chunks, rank ``r`` keeps ``[rB, (r+1)B)``."""
     x = _as_workloads(workloads, num_parts)
     return partition_stats(x, np.arange(x.size).reshape(num_parts, -1).tolist())
+
+
+def free_partition(workloads: Any, num_parts: int, *, min_size: int = 0,
+                   max_size: int | None = None) -> list[list[int]]:
+    """Partition into ``num_parts`` parts of any size (or bounded sizes), smallest max sum.
+
+    Unlike :func:`balanced_partition` the parts need not have equal item
+    counts, so a rank that gets one huge sample gets few others. Capped LPT,
+    water-filling and move/swap refinement (``balancer/_partition_free.py``);
+    on heavy-tailed inputs within ~1e-5 of ``max(largest item, sum / W)``.
+
+    Example: ``[9, 1, 8, 2, 7, 3]`` into 2 parts gives ``[[0, 1, 3, 5], [2, 4]]``,
+    loads 15 and 15 (``sum / 2``: optimal); two parts of exactly 3 items
+    (:func:`balanced_partition`) cannot do better than 16.
+
+    Args:
+        workloads: [N] non-negative workloads (as for :func:`balanced_partition`;
+            N need not be divisible by ``num_parts``).
+        num_parts: W.
+        min_size: every part gets at least this many items (e.g. 1: no idle rank).
+        max_size: no part gets more than this many items (``None``: unbounded).
+
+    Returns:
+        ``W`` lists of indices (each ascending); every index appears once.
+        Deterministic: the same on every rank and process.
+
+    Raises:
+        TypeError: ``num_parts`` is not an int.
+        ValueError: as :func:`balanced_partition` for ``workloads``; bounds
+            that are not ints, negative, crossed, or that ``N`` items cannot
+            meet (``W * min_size > N`` or ``W * max_size < N``).
+    """
+    _check_num_parts(num_parts)
+    x = _as_workloads(workloads, 1)
+    labels = free_assign(x, num_parts, min_size, max_size)
+    assert labels is not None, "without a cap the greedy always places every item"
+    return labels_to_lists(labels, num_parts)
