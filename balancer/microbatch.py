@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import max_ends, min_segments, pack_sum, segment_padded
 from balancer._partition_free import free_bound
 
@@ -97,128 +97,13 @@ class MicroBatchPlan:
         return self.padded_tokens_before / real if real else 1.0
 
 
-# ------------------------------------------------------------------ inputs
+# ------------------------------------------------------------------ helpers
 def _rank_of(pg: ProcessGroup | None) -> int:
     return dist.get_rank(pg) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _as_lengths(lengths: Any, where: str) -> np.ndarray:
-    if isinstance(lengths, torch.Tensor):
-        if lengths.device.type != "cpu":
-            raise ValueError(f"lengths is on {lengths.device}, expected a host array: reading a "
-                             f"device tensor would synchronise ({where})")
-        lengths = lengths.numpy()
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths has shape {tuple(arr.shape)}, expected 1-D [N] ({where})")
-    if arr.size == 0:
-        raise ValueError(f"lengths is empty, expected at least one sample ({where})")
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"lengths has dtype {arr.dtype}, expected integer token counts ({where})")
-    x = arr.astype(np.float64)
-    bad = ~np.isfinite(x) | (x < 0) | (x != np.round(x))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer >= 0 ({where})")
-    return x.astype(np.int64)
-
-
-def _row_cost(cost: Any) -> Callable[[np.ndarray], np.ndarray] | None:
-    """Per-sample cost as a function of length, or ``None`` for a per-sample array."""
-    if cost is None:
-        return lambda lens: lens
-    if hasattr(cost, "of_lengths"):
-        return lambda lens: np.asarray(cost.of_lengths(lens), dtype=np.float64)
-    if hasattr(cost, "coefficients"):
-        a, b, c = cost.coefficients()
-        return lambda lens: (a * lens.astype(np.float64) + b) * lens + c
-    if callable(cost):
-        return lambda lens: np.asarray(cost(lens), dtype=np.float64)
-    return None
-
-
-def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
-    fn = _row_cost(cost)
-    out = fn(lengths) if fn is not None else np.asarray(
-        cost.numpy() if isinstance(cost, torch.Tensor) else cost)
-    if out.shape != lengths.shape:
-        raise ValueError(f"cost gives shape {tuple(out.shape)}, expected [{lengths.size}] ({where})")
-    if out.dtype.kind not in "biu":
-        out = out.astype(np.float64)
-        bad = ~np.isfinite(out) | (out < 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"cost of sample {i} is {out[i]}, expected a finite value >= 0 ({where})")
-    elif out.size and out.min() < 0:
-        raise ValueError(f"cost of sample {int(np.argmin(out))} is negative ({where})")
-    return out
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Units:
-    """Samples grouped into units (in order of their first sample)."""
-
-    members: list[np.ndarray]  # [U] ascending sample indices
-    tokens: np.ndarray  # [U] int64
-    rows: np.ndarray  # [U] int64
-    head: np.ndarray  # [U] int64 longest sample
-    cost: np.ndarray  # [U] summed sample cost
-    head_cost: np.ndarray  # [U] float64 per-row cost at `head` (padded only; else zeros)
-    sample_cost: np.ndarray  # [N]
-
-
-def _units(lengths: np.ndarray, cost: Any, groups: Any, padded: bool, where: str) -> _Units:
-    n = lengths.size
-    if padded and _row_cost(cost) is None:
-        raise ValueError(f"padded=True needs cost as a function of length, not per-sample values ({where})")
-    sc = _sample_costs(lengths, cost, where)
-    if groups is None:
-        members = [np.array([i]) for i in range(n)]
-        inv = np.arange(n)
-    else:
-        g = np.asarray(groups.numpy() if isinstance(groups, torch.Tensor) else groups)
-        if g.shape != (n,) or g.dtype.kind not in "biu":
-            raise ValueError(f"groups has shape {g.shape} and dtype {g.dtype}, expected [{n}] ints ({where})")
-        _, first, inv = np.unique(g, return_index=True, return_inverse=True)
-        rank = np.argsort(np.argsort(first, kind="stable"), kind="stable")
-        inv = rank[inv]  # unit ids in order of first appearance
-        order = np.argsort(inv, kind="stable")
-        members = np.split(order, np.cumsum(np.bincount(inv))[:-1])
-    u = len(members)
-    tokens = np.bincount(inv, weights=lengths, minlength=u).astype(np.int64)
-    rows = np.bincount(inv, minlength=u).astype(np.int64)
-    head = np.zeros(u, np.int64)
-    np.maximum.at(head, inv, lengths)
-    ucost = np.zeros(u, sc.dtype)
-    np.add.at(ucost, inv, sc)
-    fn = _row_cost(cost)
-    head_cost = np.asarray(fn(head), dtype=np.float64) if padded and fn is not None else np.zeros(u)
-    return _Units(members, tokens, rows, head, ucost, head_cost, sc)
-
-
-def _check_fits(un: _Units, cap: int | None, mbs: int | None, padded: bool, where: str) -> None:
-    need = un.rows * un.head if padded else un.tokens
-    for limit, what, name in ((cap, need, "max_tokens"), (mbs if padded else None, un.rows, "micro_batch_size")):
-        if limit is not None and what.size and what.max() > limit:
-            u = int(np.argmax(what))
-            who = (f"sample {int(un.members[u][0])}" if un.members[u].size == 1
-                   else f"group of samples {un.members[u].tolist()}")
-            detail = (f"{int(un.rows[u])} rows x {int(un.head[u])} = " if padded and name == "max_tokens"
-                      else "")
-            unit = "tokens" if name == "max_tokens" else "rows"
-            raise ValueError(f"{who} needs {detail}{int(what[u])} {unit}, more than {name}={limit}; "
-                             f"it must fit in one micro-batch ({where})")
-
-
-def _positive(name: str, value: Any, where: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r}, expected an int >= 1 ({where})")
-
-
 # ------------------------------------------------------------------ planning
-def _plan_k(un: _Units, k: int, cap: int | None, mbs: int | None, padded: bool) -> Any:
+def _plan_k(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool) -> Any:
     """The cut at ``k`` (labels [U] or run boundaries), or ``None`` if it does not fit."""
     if padded:
         order = np.lexsort((np.arange(un.head.size), -un.head))
@@ -232,9 +117,13 @@ def _plan_k(un: _Units, k: int, cap: int | None, mbs: int | None, padded: bool) 
     return pack_sum(un.cost, un.tokens, k, cap)
 
 
-def _local_k(un: _Units, cap: int | None, mbs: int | None, padded: bool, num: int | None,
-             lo: int, div: int, where: str) -> tuple[int, int, dict[int, Any]]:
-    """``(k this rank needs, token bound, {k: cut})``; raises if impossible."""
+def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int | None,
+             lo: int, div: int, where: str, strict: bool = True) -> tuple[int, int, dict[int, Any]]:
+    """``(k this rank needs, token bound, {k: cut})``; raises if impossible.
+
+    ``strict=False`` (a dispatcher that can still re-split) returns a ``k``
+    above the unit count instead of raising, with no cut.
+    """
     u = un.tokens.size
     if padded:
         order = np.lexsort((np.arange(u), -un.head))
@@ -247,6 +136,8 @@ def _local_k(un: _Units, cap: int | None, mbs: int | None, padded: bool, num: in
             raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
                              f"multiple of divisible_by={div} ({where})")
         if num > u:
+            if not strict:
+                return num, bound, {}
             raise ValueError(f"num_micro_batches={num} but only {u} {units}: a micro-batch would "
                              f"be empty ({where})")
         cut = _plan_k(un, num, cap, mbs, padded)
@@ -257,6 +148,8 @@ def _local_k(un: _Units, cap: int | None, mbs: int | None, padded: bool, num: in
     k = -(-max(lo, bound) // div) * div
     while True:
         if k > u:
+            if not strict:
+                return k, bound, {}
             raise ValueError(f"needs {k} micro-batches (token budget {cap}, min_micro_batches={lo}, "
                              f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
                              f"empty ({where})")
@@ -288,7 +181,7 @@ def _fingerprint(*settings: Any) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def _capped_bound(un: _Units, k: int, cap: int | None) -> float:
+def _capped_bound(un: Units, k: int, cap: int | None) -> float:
     """A bound that sees the budget: every micro-batch holds >= ``m = T - (k - 1) cap`` tokens.
 
     The micro-batch holding unit ``i`` covers its other ``m - t_i`` tokens at
@@ -313,7 +206,7 @@ def _capped_bound(un: _Units, k: int, cap: int | None) -> float:
     return float((cost + fill).max()) * (1.0 - 1e-12)
 
 
-def _finish(un: _Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
+def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
             token_bound: int, cap: int | None) -> MicroBatchPlan:
     """Statistics, heaviest-first order and the inverse permutation of a cut."""
     u = labels.size
@@ -347,8 +240,11 @@ def _finish(un: _Units, labels: np.ndarray, k: int, padded: bool, local_min: int
     rank = np.lexsort((first, -costs))  # heaviest first, ties by first sample
     batches: list[list[int]] = [groups[j].tolist() for j in rank.tolist()]
     order = np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])
+    # Positions relative to the units' samples in ascending order (all of
+    # range(N) for one rank's plan; a rank's share in a dispatch).
+    local = np.searchsorted(np.sort(order), order)
     inverse = np.empty(order.size, np.int64)
-    inverse[order] = np.arange(order.size)
+    inverse[local] = np.arange(order.size)
     return MicroBatchPlan(
         micro_batches=batches, inverse=inverse, num_micro_batches=k, local_min=local_min,
         token_bound=token_bound, padded=padded, costs=costs[rank].astype(np.float64),
@@ -438,21 +334,21 @@ def plan_micro_batches(
     collective = (sync and num_micro_batches is None and dist.is_available()
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
     err: ValueError | None = None
-    un: _Units | None = None
+    un: Units | None = None
     k_local = bound = 0
     cache: dict[int, Any] = {}
     try:
-        _positive("max_tokens", max_tokens, where, allow_none=True)
-        _positive("num_micro_batches", num_micro_batches, where, allow_none=True)
-        _positive("min_micro_batches", min_micro_batches, where)
-        _positive("divisible_by", divisible_by, where)
-        _positive("micro_batch_size", micro_batch_size, where, allow_none=True)
+        check_positive("max_tokens", max_tokens, where, allow_none=True)
+        check_positive("num_micro_batches", num_micro_batches, where, allow_none=True)
+        check_positive("min_micro_batches", min_micro_batches, where)
+        check_positive("divisible_by", divisible_by, where)
+        check_positive("micro_batch_size", micro_batch_size, where, allow_none=True)
         if micro_batch_size is not None and not padded:
             raise ValueError(f"micro_batch_size={micro_batch_size} bounds the rows of padded "
                              f"micro-batches; pass padded=True or use max_tokens ({where})")
-        lens = _as_lengths(lengths, where)
-        un = _units(lens, cost, groups, padded, where)
-        _check_fits(un, max_tokens, micro_batch_size, padded, where)
+        lens = as_lengths(lengths, where)
+        un = make_units(lens, cost, groups, padded, where)
+        check_fits(un, max_tokens, micro_batch_size, padded, where)
         k_local, bound, cache = _local_k(un, max_tokens, micro_batch_size, padded,
                                          num_micro_batches, min_micro_batches, divisible_by, where)
     except ValueError as e:
