@@ -1,0 +1,193 @@
+"""Train a small causal LM with DDP, with and without balancer's dispatch and micro-batching.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 examples/train_llm.py             # both, compared
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 examples/train_llm.py --mode balance
+
+Single-controller pattern: every rank builds the same global batch per step
+from a shared seed (Zipf or lognormal sequence lengths) and takes its share.
+
+* ``--mode no-balance``: contiguous shares (what a loader deals), each cut in
+  input order into micro-batches of at most ``--max-tokens`` tokens.
+* ``--mode balance``: :func:`balancer.plan_dispatch` splits the global batch by
+  :class:`balancer.TransformerCost` FLOPs of this model, then every rank cuts
+  its share with :func:`balancer.plan_micro_batches` (same micro-batch count on
+  every rank, one all-reduce).
+* ``--mode compare`` (default): both, on the same batches from the same
+  initial weights; the last line is the speedup.
+
+Gradient accumulation over micro-batches with DDP ``no_sync`` on all but the
+last. The loss is the global token mean: each micro-batch contributes
+``W * sum(token losses) / global target tokens`` (DDP averages gradients over
+``W``), exactly what :func:`balancer.global_weighted_mean_loss` computes, with
+the global count known to every rank, so both modes follow the same loss
+trajectory up to float32 summation order. Rank 0 prints per-step lines, one
+``summary:`` line per mode, and (compare) ``speedup: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from llm_model import TinyCausalLM, token_losses  # noqa: E402
+
+from balancer import TransformerCost, plan_dispatch, plan_micro_batches  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["compare", "balance", "no-balance"], default="compare")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per mode")
+    p.add_argument("--global-batch", type=int, default=64, help="sequences per step, all ranks")
+    p.add_argument("--dist", choices=["zipf", "lognormal"], default="zipf", help="sequence lengths")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=4096, help="token budget per micro-batch")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def global_batch(args: argparse.Namespace, step: int) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """Lengths [G] and token sequences, identical on every rank (seeded by step)."""
+    rng = np.random.default_rng([args.seed, step])
+    g, top = args.global_batch, args.max_len
+    if args.dist == "zipf":
+        support = np.arange(2, top + 1, dtype=np.float64)
+        p = support**-1.2
+        lens = rng.choice(np.arange(2, top + 1), size=g, p=p / p.sum())
+    else:
+        lens = np.clip(np.rint(rng.lognormal(np.log(top / 8), 1.0, g)), 2, top).astype(np.int64)
+    seqs = []
+    for n in lens.tolist():
+        # Learnable structure: each token is the previous one times 3 plus 1
+        # (mod vocab), with 10 % noise.
+        t = np.empty(n, np.int64)
+        t[0] = rng.integers(args.vocab)
+        noise = rng.random(n) < 0.1
+        rand = rng.integers(args.vocab, size=n)
+        for i in range(1, n):
+            t[i] = rand[i] if noise[i] else (3 * t[i - 1] + 1) % args.vocab
+        seqs.append(torch.from_numpy(t))
+    return lens, seqs
+
+
+def input_order_cut(lens: np.ndarray, share: list[int], max_tokens: int) -> list[list[int]]:
+    """No balancing: consecutive samples until the budget is full."""
+    out: list[list[int]] = [[]]
+    used = 0
+    for i in share:
+        if out[-1] and used + lens[i] > max_tokens:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += int(lens[i])
+    return out
+
+
+def run(args: argparse.Namespace, balance: bool, rank: int, world: int) -> dict[str, list[float]]:
+    torch.manual_seed(args.seed)
+    model = TinyCausalLM(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, 4 * args.dim)
+    cost = TransformerCost.from_hf_config(model.hf_config())
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    log: dict[str, list[float]] = {"loss": [], "step_s": [], "compute_imb": [], "model_imb": [], "tok_s": []}
+    for step in range(args.steps):
+        lens, seqs = global_batch(args, step)
+        targets = float((lens - 1).sum())  # next-token targets in the global batch
+        costs = cost.of_lengths(lens)
+        dist.barrier()
+        t0 = time.perf_counter()
+        g = len(lens)
+        if balance:
+            shares = plan_dispatch(lens, world, cost=cost).ranks
+            share = shares[rank]
+            plan = plan_micro_batches(lens[share], max_tokens=args.max_tokens, cost=cost)
+            micro = [[share[i] for i in mb] for mb in plan.micro_batches]
+        else:
+            shares = [list(range(r * g // world, (r + 1) * g // world)) for r in range(world)]
+            share = shares[rank]
+            micro = input_order_cut(lens, share, args.max_tokens)
+        local = torch.zeros(2, dtype=torch.float64)  # summed loss, compute seconds
+        opt.zero_grad(set_to_none=True)
+        # CPU time of this thread: the compute, without the wait for the slowest
+        # rank inside DDP's gradient all-reduce (wall time would hide it).
+        c0 = time.thread_time()
+        for j, mb in enumerate(micro):
+            tokens = torch.cat([seqs[i] for i in mb])
+            ctx = ddp.no_sync() if j < len(micro) - 1 else nullcontext()
+            with ctx:
+                loss_sum = token_losses(ddp, tokens, [int(lens[i]) for i in mb])
+                (loss_sum * (world / targets)).backward()  # global token mean under DDP's average
+            local[0] += loss_sum.detach().double()
+        local[1] = time.thread_time() - c0
+        opt.step()
+        loads = torch.zeros(world, dtype=torch.float64)
+        loads[rank] = local[1]
+        dist.all_reduce(local[:1])
+        dist.all_reduce(loads)
+        dt = time.perf_counter() - t0
+        model_loads = [float(costs[sh].sum()) for sh in shares]
+        log["loss"].append(float(local[0]) / targets)
+        log["step_s"].append(dt)
+        log["compute_imb"].append(float(loads.max() / loads.mean()))
+        log["model_imb"].append(max(model_loads) / (sum(model_loads) / len(model_loads)))
+        log["tok_s"].append(float(lens.sum()) / dt)
+        if rank == 0:
+            print(f"[{'balance' if balance else 'no-balance'}] step {step + 1:3d}/{args.steps} "
+                  f"loss {log['loss'][-1]:.8f} targets {int(targets)} step_ms {1e3 * dt:7.1f} "
+                  f"micro_batches {len(micro)} "
+                  f"imbalance(model) {log['model_imb'][-1]:.3f} imbalance(measured) "
+                  f"{log['compute_imb'][-1]:.3f} tokens/s {log['tok_s'][-1]:8.0f}", flush=True)
+    return log
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} must be divisible by {world} ranks")
+    modes = {"compare": [False, True], "balance": [True], "no-balance": [False]}[args.mode]
+    results = {}
+    try:
+        for balance in modes:
+            log = run(args, balance, rank, world)
+            results[balance] = log
+            if rank == 0:
+                tail = slice(1, None) if len(log["step_s"]) > 1 else slice(None)  # step 1 warms up
+                print(f"summary: mode={'balance' if balance else 'no-balance'} steps={args.steps} "
+                      f"mean_step_ms={1e3 * statistics.mean(log['step_s'][tail]):.1f} "
+                      f"imbalance_model={statistics.mean(log['model_imb']):.3f} "
+                      f"imbalance_measured={statistics.mean(log['compute_imb'][tail]):.3f} "
+                      f"tokens_per_s={statistics.mean(log['tok_s'][tail]):.0f} "
+                      f"final_loss={log['loss'][-1]:.6f}", flush=True)
+        if rank == 0 and len(results) == 2:
+            off, on = results[False], results[True]
+            tail = slice(1, None) if args.steps > 1 else slice(None)
+            diff = max(abs(a - b) for a, b in zip(off["loss"], on["loss"], strict=True))
+            print(f"loss_max_abs_diff: {diff:.3e}")
+            speed = statistics.mean(off["step_s"][tail]) / statistics.mean(on["step_s"][tail])
+            print(f"speedup: {speed:.3f}x (mean step time no-balance / balance)", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
