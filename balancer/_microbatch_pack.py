@@ -79,19 +79,29 @@ def _refined(cost: np.ndarray, k: int, sizes: np.ndarray | None, cap: int | None
     return out
 
 
-def kk_labels(cost: np.ndarray, k: int) -> np.ndarray:
-    """Karmarkar-Karp into ``k`` parts of free size: part id per unit.
+def kk_labels(cost: np.ndarray, k: int, equal: bool = False) -> np.ndarray:
+    """Karmarkar-Karp into ``k`` parts: part id per unit.
 
     States are ``k`` (sum, members) pairs sorted by sum; the two states with
-    the largest spreads merge largest-with-smallest. Plain Python lists: the
-    unit counts of one rank are small, and a merge of two ``k``-lists is
-    cheaper without numpy.
+    the largest spreads merge largest-with-smallest. Free sizes start from one
+    state per unit; ``equal`` (``N`` divisible by ``k``) from rows of ``k``
+    consecutive sorted units, one per part, so every part gets ``N / k``
+    (verl's equal-size variant). Plain Python lists: a merge of two
+    ``k``-lists is cheaper without numpy, and heavy tails make KK a chain of
+    single merges that a vectorised round cannot batch.
     """
     n = cost.size
     vals = cost.tolist()
     heap: list[tuple[float, int, list[float], list[list[int]]]] = []
-    for i in range(n):
-        heap.append((-float(vals[i]), i, [vals[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    if equal:
+        order = np.argsort(cost, kind="stable").tolist()
+        for r in range(0, n, k):
+            row = order[r : r + k][::-1]  # descending
+            sums = [vals[i] for i in row]
+            heap.append((-float(sums[0] - sums[-1]), r, sums, [[i] for i in row]))
+    else:
+        for i in range(n):
+            heap.append((-float(vals[i]), i, [vals[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
     heapq.heapify(heap)
     tick = n
     while len(heap) > 1:

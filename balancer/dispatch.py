@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
-from balancer._microbatch_pack import max_ends, min_segments, segment_padded
+from balancer._microbatch_pack import kk_labels, max_ends, min_segments, segment_padded
 from balancer._partition_free import free_assign, free_bound, labels_to_lists
 from balancer.microbatch import MicroBatchPlan, _finish, _local_k, _plan_k
-from balancer.partition import balanced_partition, karmarkar_karp, lower_bound
+from balancer.partition import balanced_partition, lower_bound
 
 __all__ = ["DispatchPlan", "plan_dispatch"]
 
@@ -109,7 +109,8 @@ def _equal_split(x: np.ndarray, w: int) -> list[np.ndarray]:
     never worse than verl's on the same workloads (KK is cheap next to it).
     """
     parts = [np.asarray(p, np.int64) for p in balanced_partition(x, w)]
-    kk = [np.asarray(p, np.int64) for p in karmarkar_karp(x, w)]
+    labels = kk_labels(x, w, equal=True)
+    kk = [np.flatnonzero(labels == r) for r in range(w)]
     if max(x[p].sum() for p in kk) < max(x[p].sum() for p in parts):
         return kk
     return parts
