@@ -13,7 +13,8 @@ from a shared seed (Zipf or lognormal sequence lengths) and takes its share.
   its share with :func:`balancer.plan_micro_batches` (same micro-batch count on
   every rank, one all-reduce).
 * ``--mode compare`` (default): both, on the same batches from the same
-  initial weights; the last line is the speedup.
+  initial weights, step by step in alternating order (so noise on a shared
+  machine hits both alike); the last line is the speedup.
 
 Gradient accumulation over micro-batches with DDP ``no_sync`` on all but the
 last. The loss is the global token mean: each micro-batch contributes
@@ -21,7 +22,12 @@ last. The loss is the global token mean: each micro-batch contributes
 ``W``), exactly what :func:`balancer.global_weighted_mean_loss` computes, with
 the global count known to every rank, so both modes follow the same loss
 trajectory up to float32 summation order. Rank 0 prints per-step lines, one
-``summary:`` line per mode, and (compare) ``speedup: ...``.
+``summary:`` line per mode, and (compare) ``speedup: ...``: of the step time
+and of the slowest rank's compute (CPU time of its training thread, which
+leaves out the wait in DDP's all-reduce). Where ranks share cores with each
+other or with other work (a 2-core machine), the step time measures that
+contention as much as the straggler; the slowest rank's compute is what one
+device per rank would see.
 """
 
 from __future__ import annotations
@@ -100,21 +106,27 @@ def input_order_cut(lens: np.ndarray, share: list[int], max_tokens: int) -> list
     return out
 
 
-def run(args: argparse.Namespace, balance: bool, rank: int, world: int) -> dict[str, list[float]]:
-    torch.manual_seed(args.seed)
-    model = TinyCausalLM(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, 4 * args.dim)
-    cost = TransformerCost.from_hf_config(model.hf_config())
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-    log: dict[str, list[float]] = {"loss": [], "step_s": [], "compute_imb": [], "model_imb": [], "tok_s": []}
-    for step in range(args.steps):
-        lens, seqs = global_batch(args, step)
+class Trainer:
+    """One model, optimizer and log; :meth:`step` trains one global batch in one mode."""
+
+    def __init__(self, args: argparse.Namespace, balance: bool, rank: int, world: int) -> None:
+        torch.manual_seed(args.seed)  # both modes start from the same weights
+        model = TinyCausalLM(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, 4 * args.dim)
+        self.cost = TransformerCost.from_hf_config(model.hf_config())
+        self.ddp = DDP(model)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=args.lr)
+        self.args, self.balance, self.rank, self.world = args, balance, rank, world
+        self.name = "balance" if balance else "no-balance"
+        self.log: dict[str, list[float]] = {
+            k: [] for k in ("loss", "step_s", "slowest_s", "compute_imb", "model_imb", "tok_s")}
+
+    def step(self, step: int, lens: np.ndarray, seqs: list[torch.Tensor]) -> None:
+        args, rank, world, cost = self.args, self.rank, self.world, self.cost
         targets = float((lens - 1).sum())  # next-token targets in the global batch
-        costs = cost.of_lengths(lens)
         dist.barrier()
         t0 = time.perf_counter()
         g = len(lens)
-        if balance:
+        if self.balance:
             shares = plan_dispatch(lens, world, cost=cost).ranks
             share = shares[rank]
             plan = plan_micro_batches(lens[share], max_tokens=args.max_tokens, cost=cost)
@@ -124,37 +136,50 @@ def run(args: argparse.Namespace, balance: bool, rank: int, world: int) -> dict[
             share = shares[rank]
             micro = input_order_cut(lens, share, args.max_tokens)
         local = torch.zeros(2, dtype=torch.float64)  # summed loss, compute seconds
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         # CPU time of this thread: the compute, without the wait for the slowest
         # rank inside DDP's gradient all-reduce (wall time would hide it).
         c0 = time.thread_time()
         for j, mb in enumerate(micro):
             tokens = torch.cat([seqs[i] for i in mb])
-            ctx = ddp.no_sync() if j < len(micro) - 1 else nullcontext()
+            ctx = self.ddp.no_sync() if j < len(micro) - 1 else nullcontext()
             with ctx:
-                loss_sum = token_losses(ddp, tokens, [int(lens[i]) for i in mb])
+                loss_sum = token_losses(self.ddp, tokens, [int(lens[i]) for i in mb])
                 (loss_sum * (world / targets)).backward()  # global token mean under DDP's average
             local[0] += loss_sum.detach().double()
         local[1] = time.thread_time() - c0
-        opt.step()
+        self.opt.step()
         loads = torch.zeros(world, dtype=torch.float64)
         loads[rank] = local[1]
         dist.all_reduce(local[:1])
         dist.all_reduce(loads)
         dt = time.perf_counter() - t0
+        costs = cost.of_lengths(lens)
         model_loads = [float(costs[sh].sum()) for sh in shares]
+        log = self.log
         log["loss"].append(float(local[0]) / targets)
         log["step_s"].append(dt)
+        log["slowest_s"].append(float(loads.max()))
         log["compute_imb"].append(float(loads.max() / loads.mean()))
         log["model_imb"].append(max(model_loads) / (sum(model_loads) / len(model_loads)))
         log["tok_s"].append(float(lens.sum()) / dt)
         if rank == 0:
-            print(f"[{'balance' if balance else 'no-balance'}] step {step + 1:3d}/{args.steps} "
-                  f"loss {log['loss'][-1]:.8f} targets {int(targets)} step_ms {1e3 * dt:7.1f} "
-                  f"micro_batches {len(micro)} "
+            print(f"[{self.name}] step {step + 1:3d}/{args.steps} loss {log['loss'][-1]:.8f} "
+                  f"targets {int(targets)} step_ms {1e3 * dt:7.1f} micro_batches {len(micro)} "
                   f"imbalance(model) {log['model_imb'][-1]:.3f} imbalance(measured) "
-                  f"{log['compute_imb'][-1]:.3f} tokens/s {log['tok_s'][-1]:8.0f}", flush=True)
-    return log
+                  f"{log['compute_imb'][-1]:.3f} slowest_rank_ms {1e3 * loads.max():7.1f} "
+                  f"tokens/s {log['tok_s'][-1]:8.0f}", flush=True)
+
+    def summary(self) -> str:
+        log = self.log
+        tail = slice(1, None) if len(log["step_s"]) > 1 else slice(None)  # step 1 warms up
+        return (f"summary: mode={self.name} steps={self.args.steps} "
+                f"mean_step_ms={1e3 * statistics.mean(log['step_s'][tail]):.1f} "
+                f"mean_slowest_rank_ms={1e3 * statistics.mean(log['slowest_s'][tail]):.1f} "
+                f"imbalance_model={statistics.mean(log['model_imb']):.3f} "
+                f"imbalance_measured={statistics.mean(log['compute_imb'][tail]):.3f} "
+                f"tokens_per_s={statistics.mean(log['tok_s'][tail]):.0f} "
+                f"final_loss={log['loss'][-1]:.6f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,26 +190,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by {world} ranks")
     modes = {"compare": [False, True], "balance": [True], "no-balance": [False]}[args.mode]
-    results = {}
+    trainers = [Trainer(args, balance, rank, world) for balance in modes]
     try:
-        for balance in modes:
-            log = run(args, balance, rank, world)
-            results[balance] = log
-            if rank == 0:
-                tail = slice(1, None) if len(log["step_s"]) > 1 else slice(None)  # step 1 warms up
-                print(f"summary: mode={'balance' if balance else 'no-balance'} steps={args.steps} "
-                      f"mean_step_ms={1e3 * statistics.mean(log['step_s'][tail]):.1f} "
-                      f"imbalance_model={statistics.mean(log['model_imb']):.3f} "
-                      f"imbalance_measured={statistics.mean(log['compute_imb'][tail]):.3f} "
-                      f"tokens_per_s={statistics.mean(log['tok_s'][tail]):.0f} "
-                      f"final_loss={log['loss'][-1]:.6f}", flush=True)
-        if rank == 0 and len(results) == 2:
-            off, on = results[False], results[True]
+        for step in range(args.steps):
+            lens, seqs = global_batch(args, step)
+            # Alternate which mode goes first, so machine noise hits both alike.
+            for t in trainers[:: 1 if step % 2 == 0 else -1]:
+                t.step(step, lens, seqs)
+        if rank == 0:
+            for t in trainers:
+                print(t.summary(), flush=True)
+        if rank == 0 and len(trainers) == 2:
+            off, on = trainers[0].log, trainers[1].log
             tail = slice(1, None) if args.steps > 1 else slice(None)
             diff = max(abs(a - b) for a, b in zip(off["loss"], on["loss"], strict=True))
             print(f"loss_max_abs_diff: {diff:.3e}")
             speed = statistics.mean(off["step_s"][tail]) / statistics.mean(on["step_s"][tail])
-            print(f"speedup: {speed:.3f}x (mean step time no-balance / balance)", flush=True)
+            crit = statistics.mean(off["slowest_s"][tail]) / statistics.mean(on["slowest_s"][tail])
+            print(f"speedup: {speed:.3f}x step time, {crit:.3f}x slowest-rank compute "
+                  "(no-balance / balance)", flush=True)
     finally:
         dist.destroy_process_group()
 
