@@ -182,33 +182,39 @@ class Trainer:
                 f"final_loss={log['loss'][-1]:.6f}")
 
 
+def train(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Run the selected mode(s) on the initialised default process group; logs by mode."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch % world:
+        raise ValueError(f"--global-batch {args.global_batch} must be divisible by {world} ranks")
+    modes = {"compare": [False, True], "balance": [True], "no-balance": [False]}[args.mode]
+    trainers = [Trainer(args, balance, rank, world) for balance in modes]
+    for step in range(args.steps):
+        lens, seqs = global_batch(args, step)
+        # Alternate which mode goes first, so machine noise hits both alike.
+        for t in trainers[:: 1 if step % 2 == 0 else -1]:
+            t.step(step, lens, seqs)
+    if rank == 0:
+        for t in trainers:
+            print(t.summary(), flush=True)
+    if rank == 0 and len(trainers) == 2:
+        off, on = trainers[0].log, trainers[1].log
+        tail = slice(1, None) if args.steps > 1 else slice(None)
+        diff = max(abs(a - b) for a, b in zip(off["loss"], on["loss"], strict=True))
+        print(f"loss_max_abs_diff: {diff:.3e}")
+        speed = statistics.mean(off["step_s"][tail]) / statistics.mean(on["step_s"][tail])
+        crit = statistics.mean(off["slowest_s"][tail]) / statistics.mean(on["slowest_s"][tail])
+        print(f"speedup: {speed:.3f}x step time, {crit:.3f}x slowest-rank compute "
+              "(no-balance / balance)", flush=True)
+    return {t.name: t.log for t in trainers}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} must be divisible by {world} ranks")
-    modes = {"compare": [False, True], "balance": [True], "no-balance": [False]}[args.mode]
-    trainers = [Trainer(args, balance, rank, world) for balance in modes]
     try:
-        for step in range(args.steps):
-            lens, seqs = global_batch(args, step)
-            # Alternate which mode goes first, so machine noise hits both alike.
-            for t in trainers[:: 1 if step % 2 == 0 else -1]:
-                t.step(step, lens, seqs)
-        if rank == 0:
-            for t in trainers:
-                print(t.summary(), flush=True)
-        if rank == 0 and len(trainers) == 2:
-            off, on = trainers[0].log, trainers[1].log
-            tail = slice(1, None) if args.steps > 1 else slice(None)
-            diff = max(abs(a - b) for a, b in zip(off["loss"], on["loss"], strict=True))
-            print(f"loss_max_abs_diff: {diff:.3e}")
-            speed = statistics.mean(off["step_s"][tail]) / statistics.mean(on["step_s"][tail])
-            crit = statistics.mean(off["slowest_s"][tail]) / statistics.mean(on["slowest_s"][tail])
-            print(f"speedup: {speed:.3f}x step time, {crit:.3f}x slowest-rank compute "
-                  "(no-balance / balance)", flush=True)
+        train(args)
     finally:
         dist.destroy_process_group()
 
