@@ -10,9 +10,11 @@ rank. Every round:
 1. samples that first-in-first-out dispatch would have sent ``window - 1``
    rounds ago go out now (``forced``);
 2. the others are sorted by cost and every run of consecutive ones that
-   completes the round is scored together with the forced ones (padded cost
-   over real cost, or the equal-count bound over the mean); the best run wins,
-   ties going to the run with the oldest samples;
+   completes the round is scored together with the forced ones, and so is the
+   first-in-first-out choice: a lower bound on the slowest rank over the mean
+   real cost (padded: padding and whole micro-batches; summed: the
+   equal-count pigeonhole bound). Among the candidates within 0.1 % of the
+   best (or of perfect balance) the one with the oldest samples wins;
 3. :func:`~balancer.dispatch.plan_dispatch` splits the chosen samples.
 
 Staleness: the ``q``-th sample put (from 0) is dispatched in round
@@ -207,8 +209,14 @@ class BufferedDispatcher:
         mean = np.maximum(vals.sum(axis=1) / self._w, 1e-300)
         if self._padded:
             assert self._mbs is not None, "checked in __init__"
+            # Micro-batches of the sorted candidate cost rows x cost(longest); the
+            # slowest rank pays at least the padded mean, and at least the
+            # largest micro-batch plus its other k - 1 at the smallest one.
             sizes = np.minimum(self._mbs, m - np.arange(0, m, self._mbs))
-            score = (vals[:, :: self._mbs] * sizes).sum(axis=1) / (mean * self._w)
+            chunks = vals[:, :: self._mbs] * sizes  # [C + 1, m / mbs], descending
+            k = -(-chunks.shape[1] // self._w)
+            rank = np.maximum(chunks.sum(axis=1) / self._w, chunks[:, 0] + (k - 1) * chunks[:, -1])
+            score = rank / mean
         else:
             # Equal counts (pigeonhole, as in partition.lower_bound): of the
             # k = (j - 1) W + 1 largest, some rank holds j, plus b - j fillers.

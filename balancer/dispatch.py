@@ -230,10 +230,12 @@ def plan_dispatch(
             labels = free_assign(x, w, min_size)
             assert labels is not None, "no cap, always placed"
             parts = [np.asarray(p, np.int64) for p in labels_to_lists(labels, w)]
-            if u % w == 0 and min_size <= u // w:
-                # Equal counts are one free split: keep them when they are better.
+            top = max(x[p].sum() for p in parts)
+            if u % w == 0 and min_size <= u // w and top > lower_bound(x, w):
+                # Equal counts are one free split: keep them when they are better
+                # (they cannot be when the free split is at their lower bound).
                 equal = _equal_split(x, w)
-                if max(x[p].sum() for p in equal) < max(x[p].sum() for p in parts):
+                if max(x[p].sum() for p in equal) < top:
                     parts = equal
         else:
             parts = _equal_split(x, w)
