@@ -400,36 +400,26 @@ def imbalance(workloads: Any, num_parts: int) -> PartitionStats:
 
 def free_partition(workloads: Any, num_parts: int, *, min_size: int = 0,
                    max_size: int | None = None) -> list[list[int]]:
-    """Partition into ``num_parts`` parts of any size (or bounded sizes), smallest max sum.
-
-    Unlike :func:`balanced_partition` the parts need not have equal item
-    counts, so a rank that gets one huge sample gets few others. Capped LPT,
-    water-filling and move/swap refinement (``balancer/_partition_free.py``);
-    on heavy-tailed inputs within ~1e-5 of ``max(largest item, sum / W)``.
+    """``num_parts`` parts of free (or bounded) item counts with the smallest max sum.
 
     Example: ``[9, 1, 8, 2, 7, 3]`` into 2 parts gives ``[[0, 1, 3, 5], [2, 4]]``,
-    loads 15 and 15 (``sum / 2``: optimal); two parts of exactly 3 items
-    (:func:`balanced_partition`) cannot do better than 16.
+    loads 15 and 15 (optimal); equal counts cannot beat 16. Algorithm and
+    bound: ``balancer/_partition_free.py``.
 
     Args:
         workloads: [N] non-negative workloads (as for :func:`balanced_partition`;
             N need not be divisible by ``num_parts``).
         num_parts: W.
-        min_size: every part gets at least this many items (e.g. 1: no idle rank).
-        max_size: no part gets more than this many items (``None``: unbounded).
+        min_size, max_size: items per part (``None``: unbounded).
 
     Returns:
-        ``W`` lists of indices (each ascending); every index appears once.
-        Deterministic: the same on every rank and process.
+        ``W`` ascending index lists covering ``range(N)``; deterministic.
 
     Raises:
-        TypeError: ``num_parts`` is not an int.
-        ValueError: as :func:`balanced_partition` for ``workloads``; bounds
-            that are not ints, negative, crossed, or that ``N`` items cannot
-            meet (``W * min_size > N`` or ``W * max_size < N``).
+        TypeError, ValueError: as :func:`balanced_partition`; bounds that are
+            not ints, negative, crossed, or that ``N`` items cannot meet.
     """
     _check_num_parts(num_parts)
-    x = _as_workloads(workloads, 1)
-    labels = free_assign(x, num_parts, min_size, max_size)
+    labels = free_assign(_as_workloads(workloads, 1), num_parts, min_size, max_size)
     assert labels is not None, "without a cap the greedy always places every item"
     return labels_to_lists(labels, num_parts)
