@@ -184,9 +184,19 @@ def padded(configs: list[tuple[int, int, int]], seeds: int, top: int, emit: Call
             for seed in range(seeds):
                 lens = lengths(dist, w * b, 200 + seed, top)
                 ideal = COST.of_lengths(lens).sum() / w
-                # The rank holding the longest sample pads mbs rows to it, and its
-                # other b - mbs rows cost at least the shortest sample's.
-                bound = max(ideal, mbs * f(lens.max()) + (b - mbs) * f(lens.min()))
+                # Every rank has b / mbs micro-batches of exactly mbs rows. The
+                # least total padded cost is the sorted cut (contiguous runs are
+                # optimal), so some rank pays at least its mean.
+                # Pigeonhole: the t longest samples fill >= ceil(t / mbs) micro-batches
+                # costing >= mbs cost(t-th longest) each, j of them on one rank.
+                desc = np.sort(lens)[::-1]
+                cd = COST.of_lengths(desc)
+                best_total = float(mbs * cd[::mbs].sum())
+                t = np.arange(1, desc.size + 1)
+                batches = (t + mbs - 1) // mbs
+                j = (batches + w - 1) // w
+                pig = (j * mbs * cd + (b // mbs - j) * mbs * cd[-1]).max()
+                bound = max(ideal, best_total / w, float(pig))
                 res.setdefault("bound", []).append((bound / ideal - 1, 1.0))
                 real = lens.sum()
                 lst = lens.tolist()
