@@ -296,7 +296,8 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
     bounds = segment_padded(un.head_cost[order], un.rows[order], ends, w * k)
     if bounds is None:
         raise ValueError(f"num_micro_batches={k} per rank cannot hold these {kind} under the budget "
-                         f"(max_tokens={cap}): {fewest} micro-batches are needed in all ({_WHERE})")
+                         f"(max_tokens={cap}, micro_batch_size={mbs}): {fewest} micro-batches are "
+                         f"needed in all ({_WHERE})")
     runs = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     run_cost = np.array([float(un.rows[r].sum() * un.head_cost[r[0]]) for r in runs])
     x = _scaled(run_cost)

@@ -142,8 +142,10 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
                              f"be empty ({where})")
         cut = _plan_k(un, num, cap, mbs, padded)
         if cut is None:
+            rows = f", micro_batch_size={mbs}" if padded else ""
             raise ValueError(f"num_micro_batches={num} cannot hold these {units} under the budget "
-                             f"(max_tokens={cap}); at least {max(bound, num + 1)} are needed ({where})")
+                             f"(max_tokens={cap}{rows}); at least {max(bound, num + 1)} are needed "
+                             f"({where})")
         return num, bound, {num: cut}
     k = -(-max(lo, bound) // div) * div
     while True:

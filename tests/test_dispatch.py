@@ -168,8 +168,8 @@ def test_host_only_no_torch_ops() -> None:
     ([1, 2, 3, 4], 2, {"num_micro_batches": 3, "divisible_by": 2},
      r"num_micro_batches=3 must be >= min_micro_batches=1 and a multiple of divisible_by=2"),
     ([5] * 4, 2, {"padded": True, "num_micro_batches": 1, "max_tokens": 5},
-     r"num_micro_batches=1 per rank cannot hold these samples under the budget \(max_tokens=5\): "
-     r"4 micro-batches are needed in all"),
+     r"num_micro_batches=1 per rank cannot hold these samples under the budget \(max_tokens=5, "
+     r"micro_batch_size=None\): 4 micro-batches are needed in all"),
     ([5] * 4, 2, {"padded": True, "num_micro_batches": 3},
      r"2 ranks x 3 micro-batches need 6 samples, only 4 given"),
     ([1, 2], 0, {}, r"world_size=0, expected an int >= 1 \(controller\)"),
@@ -185,3 +185,34 @@ def test_tensor_input_must_be_on_the_host() -> None:
     if torch.cuda.is_available():  # pragma: no cover - GPU machines only
         with pytest.raises(ValueError, match="expected a host array"):
             plan_dispatch(torch.tensor([5, 1], device="cuda"), 2)
+
+
+def test_random_settings_give_a_valid_plan_or_a_value_error() -> None:
+    """Random sizes, budgets, groups and modes: every plan keeps every invariant."""
+    rng = np.random.default_rng(123)
+    planned = 0
+    for t in range(120):
+        n, w = int(rng.integers(1, 60)), int(rng.integers(1, 6))
+        lens = rng.integers(0, 300, n) if t % 3 else np.minimum(rng.zipf(1.3, n), 300)
+        groups = None if t % 4 else rng.integers(0, max(1, n // 3), n)
+        padded = rng.random() < 0.3
+        kw: dict = {}
+        if rng.random() < 0.5:
+            kw["max_tokens"] = int(rng.integers(300, 2000))
+        elif rng.random() < 0.5:
+            kw["num_micro_batches"] = int(rng.integers(1, 4))
+        if padded and rng.random() < 0.5:
+            kw["micro_batch_size"] = int(rng.integers(1, 8))
+        if rng.random() < 0.3:
+            kw["divisible_by"] = int(rng.integers(1, 4))
+        equal = padded or rng.random() < 0.6
+        try:
+            plan = plan_dispatch(lens, w, cost=COST if t % 2 else None, equal_count=equal,
+                                 groups=groups, padded=padded, **kw)
+        except ValueError:
+            continue
+        planned += 1
+        _check(plan, lens, w, equal=equal, cap=kw.get("max_tokens"), padded=padded, groups=groups)
+        if plan.micro_batches is not None and "num_micro_batches" not in kw:
+            assert plan.num_micro_batches % kw.get("divisible_by", 1) == 0
+    assert planned >= 40
