@@ -7,14 +7,22 @@ Data path per training step (see docs/design.md):
 (``balancer.partition``) -> 5. redistribution of samples between ranks
 (``balancer.shuffler``) -> 6. overlapped inside the train pipeline
 (``balancer.pipeline``).
+
+LLM and RL training (docs/llm.md): :class:`TransformerCost` per-sample FLOPs,
+:func:`plan_dispatch` / :class:`BufferedDispatcher` for a single controller
+that splits a global batch across ranks, :func:`plan_micro_batches` to cut a
+rank's share into micro-batches under a token budget.
 """
 
 from balancer._version import __version__
 from balancer.batch import BaseBatch, pad_batch
+from balancer.buffered_dispatch import BufferedDispatcher, DispatchRound
 from balancer.config import BalancerConfig
+from balancer.dispatch import DispatchPlan, plan_dispatch
 from balancer.errors import ShuffleAbortedError
 from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
-from balancer.partition import balanced_partition, karmarkar_karp, lower_bound
+from balancer.microbatch import MicroBatchPlan, plan_micro_batches
+from balancer.partition import balanced_partition, free_partition, karmarkar_karp, lower_bound
 from balancer.pipeline import (
     BalancedPrefetchTrainPipelineSparseDist,
     BalancedTrainPipelineSparseDist,
@@ -27,6 +35,7 @@ from balancer.workloads import (
     PolynomialCost,
     SelfAttentionCost,
     TokenCount,
+    TransformerCost,
     WorkloadFn,
     calibrate,
     fit_polynomial,
@@ -38,25 +47,33 @@ __all__ = [
     "BalancerConfig",
     "BaseBatch",
     "BatchShuffler",
+    "BufferedDispatcher",
     "Calibration",
+    "DispatchPlan",
+    "DispatchRound",
     "HSTUAttentionCost",
     "IdentityBatchShuffler",
+    "MicroBatchPlan",
     "PolynomialCost",
     "SelfAttentionCost",
     "ShuffleAbortedError",
     "ShuffleHandle",
     "ShuffleStats",
     "TokenCount",
+    "TransformerCost",
     "WorkloadFn",
     "balanced_partition",
     "calibrate",
     "create_train_pipeline",
     "fit_polynomial",
+    "free_partition",
     "global_loss_value",
     "global_mean_loss",
     "global_weighted_mean_loss",
     "karmarkar_karp",
     "lower_bound",
     "pad_batch",
+    "plan_dispatch",
+    "plan_micro_batches",
     "__version__",
 ]

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._partition_free import free_assign, labels_to_lists
 from balancer._partition_kk import kk_equal, kk_free
 from balancer._partition_locality import localize_rows
 from balancer._partition_lpt import lpt
@@ -63,6 +64,7 @@ __all__ = [
     "PartitionStats",
     "PartitionWorker",
     "balanced_partition",
+    "free_partition",
     "imbalance",
     "karmarkar_karp",
     "localize",
@@ -394,3 +396,30 @@ def imbalance(workloads: Any, num_parts: int) -> PartitionStats:
     """Stats of "no balancing": contiguous chunks, rank ``r`` keeps ``[rB, (r+1)B)``."""
     x = _as_workloads(workloads, num_parts)
     return partition_stats(x, np.arange(x.size).reshape(num_parts, -1).tolist())
+
+
+def free_partition(workloads: Any, num_parts: int, *, min_size: int = 0,
+                   max_size: int | None = None) -> list[list[int]]:
+    """``num_parts`` parts of free (or bounded) item counts with the smallest max sum.
+
+    Example: ``[9, 1, 8, 2, 7, 3]`` into 2 parts gives ``[[0, 1, 3, 5], [2, 4]]``,
+    loads 15 and 15 (optimal); equal counts cannot beat 16. Algorithm and
+    bound: ``balancer/_partition_free.py``.
+
+    Args:
+        workloads: [N] non-negative workloads (as for :func:`balanced_partition`;
+            N need not be divisible by ``num_parts``).
+        num_parts: W.
+        min_size, max_size: items per part (``None``: unbounded).
+
+    Returns:
+        ``W`` ascending index lists covering ``range(N)``; deterministic.
+
+    Raises:
+        TypeError, ValueError: as :func:`balanced_partition`; bounds that are
+            not ints, negative, crossed, or that ``N`` items cannot meet.
+    """
+    _check_num_parts(num_parts)
+    labels = free_assign(_as_workloads(workloads, 1), num_parts, min_size, max_size)
+    assert labels is not None, "without a cap the greedy always places every item"
+    return labels_to_lists(labels, num_parts)

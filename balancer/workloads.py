@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_COST", "Calibration", "HSTUAttentionCost", "PolynomialCost", "SelfAttentionCost",
-    "TokenCount", "WorkloadFn", "calibrate", "fit_polynomial", "measure_times", "sequence_lengths"
+    "TokenCount", "TransformerCost", "WorkloadFn", "calibrate", "fit_polynomial", "measure_times",
+    "sequence_lengths",
 ]
 
 WorkloadFn = Callable[[BaseBatch], torch.Tensor]
@@ -456,3 +457,8 @@ def calibrate(
     if cal.r2 < 0.9:
         logger.warning("calibration fits poorly (R^2=%.3f); check measure_fn synchronises", cal.r2)
     return cal.to_cost(feature_names, **cost_kwargs)
+
+
+# TransformerCost lives in its own module (LLM configs); it builds on the helpers
+# above, so it is imported last.
+from balancer.transformer_cost import TransformerCost  # noqa: E402

@@ -1,0 +1,133 @@
+"""Units of an LLM batch: samples (or groups of samples) with their tokens and costs.
+
+Shared by :mod:`balancer.microbatch` and :mod:`balancer.dispatch`: input
+validation (lengths, costs, groups, settings) with ``ValueError`` messages
+that name the value, the expectation and where it happened, and the
+per-unit aggregates the planners work on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", "row_cost"]
+
+
+def as_lengths(lengths: Any, where: str) -> np.ndarray:
+    if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu":
+            raise ValueError(f"lengths is on {lengths.device}, expected a host array: reading a "
+                             f"device tensor would synchronise ({where})")
+        lengths = lengths.numpy()
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths has shape {tuple(arr.shape)}, expected 1-D [N] ({where})")
+    if arr.size == 0:
+        raise ValueError(f"lengths is empty, expected at least one sample ({where})")
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"lengths has dtype {arr.dtype}, expected integer token counts ({where})")
+    x = arr.astype(np.float64)
+    bad = ~np.isfinite(x) | (x < 0) | (x != np.round(x))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer >= 0 ({where})")
+    return x.astype(np.int64)
+
+
+def row_cost(cost: Any) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Per-sample cost as a function of length, or ``None`` for a per-sample array."""
+    if cost is None:
+        return lambda lens: lens
+    if hasattr(cost, "of_lengths"):
+        return lambda lens: np.asarray(cost.of_lengths(lens), dtype=np.float64)
+    if hasattr(cost, "coefficients"):
+        a, b, c = cost.coefficients()
+        return lambda lens: (a * lens.astype(np.float64) + b) * lens + c
+    if callable(cost):
+        return lambda lens: np.asarray(cost(lens), dtype=np.float64)
+    return None
+
+
+def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
+    fn = row_cost(cost)
+    out = fn(lengths) if fn is not None else np.asarray(
+        cost.numpy() if isinstance(cost, torch.Tensor) else cost)
+    if out.shape != lengths.shape:
+        raise ValueError(f"cost gives shape {tuple(out.shape)}, expected [{lengths.size}] ({where})")
+    if out.dtype.kind not in "biu":
+        out = out.astype(np.float64)
+        bad = ~np.isfinite(out) | (out < 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"cost of sample {i} is {out[i]}, expected a finite value >= 0 ({where})")
+    elif out.size and out.min() < 0:
+        raise ValueError(f"cost of sample {int(np.argmin(out))} is negative ({where})")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Units:
+    """Samples grouped into units (in order of their first sample)."""
+
+    members: list[np.ndarray]  # [U] ascending sample indices
+    tokens: np.ndarray  # [U] int64
+    rows: np.ndarray  # [U] int64
+    head: np.ndarray  # [U] int64 longest sample
+    cost: np.ndarray  # [U] summed sample cost
+    head_cost: np.ndarray  # [U] float64 per-row cost at `head` (padded only; else zeros)
+    sample_cost: np.ndarray  # [N]
+
+
+def make_units(lengths: np.ndarray, cost: Any, groups: Any, padded: bool, where: str) -> Units:
+    n = lengths.size
+    if padded and row_cost(cost) is None:
+        raise ValueError(f"padded=True needs cost as a function of length, not per-sample values ({where})")
+    sc = _sample_costs(lengths, cost, where)
+    if groups is None:
+        members = [np.array([i]) for i in range(n)]
+        inv = np.arange(n)
+    else:
+        g = np.asarray(groups.numpy() if isinstance(groups, torch.Tensor) else groups)
+        if g.shape != (n,) or g.dtype.kind not in "biu":
+            raise ValueError(f"groups has shape {g.shape} and dtype {g.dtype}, expected [{n}] ints ({where})")
+        _, first, inv = np.unique(g, return_index=True, return_inverse=True)
+        rank = np.argsort(np.argsort(first, kind="stable"), kind="stable")
+        inv = rank[inv]  # unit ids in order of first appearance
+        order = np.argsort(inv, kind="stable")
+        members = np.split(order, np.cumsum(np.bincount(inv))[:-1])
+    u = len(members)
+    tokens = np.bincount(inv, weights=lengths, minlength=u).astype(np.int64)
+    rows = np.bincount(inv, minlength=u).astype(np.int64)
+    head = np.zeros(u, np.int64)
+    np.maximum.at(head, inv, lengths)
+    ucost = np.zeros(u, sc.dtype)
+    np.add.at(ucost, inv, sc)
+    fn = row_cost(cost)
+    head_cost = np.asarray(fn(head), dtype=np.float64) if padded and fn is not None else np.zeros(u)
+    return Units(members, tokens, rows, head, ucost, head_cost, sc)
+
+
+def check_fits(un: Units, cap: int | None, mbs: int | None, padded: bool, where: str) -> None:
+    need = un.rows * un.head if padded else un.tokens
+    for limit, what, name in ((cap, need, "max_tokens"), (mbs if padded else None, un.rows, "micro_batch_size")):
+        if limit is not None and what.size and what.max() > limit:
+            u = int(np.argmax(what))
+            who = (f"sample {int(un.members[u][0])}" if un.members[u].size == 1
+                   else f"group of samples {un.members[u].tolist()}")
+            detail = (f"{int(un.rows[u])} rows x {int(un.head[u])} = " if padded and name == "max_tokens"
+                      else "")
+            unit = "tokens" if name == "max_tokens" else "rows"
+            raise ValueError(f"{who} needs {detail}{int(what[u])} {unit}, more than {name}={limit}; "
+                             f"it must fit in one micro-batch ({where})")
+
+
+def check_positive(name: str, value: Any, where: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}, expected an int >= 1 ({where})")

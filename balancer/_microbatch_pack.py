@@ -1,0 +1,233 @@
+"""Cutting one rank's samples into ``k`` micro-batches: the two objectives.
+
+Units are samples, or groups of samples that must stay together.
+
+* **Summed cost** (:func:`pack_sum`): a micro-batch costs the sum of its
+  units' costs (packed sequences, variable-length attention). Minimise the
+  slowest micro-batch subject to a hard token cap. Starts: LPT by cost under
+  the cap (``balancer/_partition_free.py``) and Karmarkar-Karp by cost (when
+  it fits the cap); if neither fits, a token-balanced partition (the best
+  packing check we have: it minimises the largest token sum). Each start is
+  refined by cost without breaking the cap; the best one is kept.
+* **Padded cost** (:func:`segment_padded`): a micro-batch is padded to its
+  longest unit, so it costs ``rows x cost(longest)`` and holds ``rows x
+  longest`` tokens. The rank's time is the *sum* over its micro-batches. An
+  optimal cut puts length-sorted units in contiguous runs (swapping a shorter
+  unit of a longer run with a longer unit of a shorter run never raises either
+  run's longest). Small cases (``U^2 k <= 2^20``, ~10 ms) get the exact dynamic program
+  over run boundaries; larger ones a heuristic: splitting a run never costs
+  more, so it starts from the fewest runs the caps allow (greedy), splits the
+  run whose best split saves most until there are ``k``, then moves each
+  boundary to its best position while that helps.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from balancer._partition_free import free_assign
+
+__all__ = ["kk_labels", "max_ends", "min_segments", "pack_sum", "segment_padded"]
+
+_POLISH_SWEEPS = 8
+_DP_CELLS = 1 << 20  # exact dynamic program when U * U * k is at most this (~10 ms)
+
+
+def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> np.ndarray | None:
+    """Micro-batch id per unit: ``k`` non-empty parts, token sums ``<= cap``, small max cost.
+
+    Up to three starts, each refined by cost under the cap, the best kept:
+    LPT by cost under the cap, Karmarkar-Karp by cost (when it fits the cap;
+    it is what verl uses, so the result is never worse than verl's at the
+    same ``k``), and, when neither fits, a token-balanced partition.
+
+    Args:
+        cost: [U] per-unit cost (int64 or float64, >= 0).
+        tokens: [U] int64 tokens per unit.
+        k: micro-batches, ``1 <= k <= U``.
+        cap: token budget per micro-batch, or ``None``.
+
+    Returns:
+        [U] int64 ids in ``[0, k)``, or ``None`` if no packing was found.
+    """
+    sizes = None if cap is None else tokens
+    found = []
+    lpt = free_assign(cost, k, 1, sizes=sizes, cap=cap, rtol=0.0)
+    if lpt is not None:
+        found.append(lpt)
+    kk = kk_labels(cost, k)
+    if np.bincount(kk, minlength=k).min() >= 1 and (
+            cap is None or np.bincount(kk, weights=tokens, minlength=k).max() <= cap):
+        found.append(_refined(cost, k, sizes, cap, kk))
+    if not found:
+        assert cap is not None, "without a cap LPT always succeeds"
+        by_tokens = free_assign(tokens, k, 1)
+        assert by_tokens is not None, "no cap, always placed"
+        if np.bincount(by_tokens, weights=tokens, minlength=k).max() > cap:
+            return None
+        found.append(_refined(cost, k, tokens, cap, by_tokens))
+    tops = [np.bincount(f, weights=cost, minlength=k).max() for f in found]
+    return found[int(np.argmin(tops))]
+
+
+def _refined(cost: np.ndarray, k: int, sizes: np.ndarray | None, cap: int | None,
+             start: np.ndarray) -> np.ndarray:
+    out = free_assign(cost, k, 1, sizes=sizes, cap=cap, rtol=0.0, start=start)
+    assert out is not None, "refining a feasible start keeps it feasible"
+    return out
+
+
+def kk_labels(cost: np.ndarray, k: int, equal: bool = False) -> np.ndarray:
+    """Karmarkar-Karp into ``k`` parts: part id per unit.
+
+    States are ``k`` (sum, members) pairs sorted by sum; the two states with
+    the largest spreads merge largest-with-smallest. Free sizes start from one
+    state per unit; ``equal`` (``N`` divisible by ``k``) from rows of ``k``
+    consecutive sorted units, one per part, so every part gets ``N / k``
+    (verl's equal-size variant). Plain Python lists: a merge of two
+    ``k``-lists is cheaper without numpy, and heavy tails make KK a chain of
+    single merges that a vectorised round cannot batch.
+    """
+    n = cost.size
+    vals = cost.tolist()
+    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    if equal:
+        order = np.argsort(cost, kind="stable").tolist()
+        for r in range(0, n, k):
+            row = order[r : r + k][::-1]  # descending
+            sums = [vals[i] for i in row]
+            heap.append((-float(sums[0] - sums[-1]), r, sums, [[i] for i in row]))
+    else:
+        for i in range(n):
+            heap.append((-float(vals[i]), i, [vals[i]] + [0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    heapq.heapify(heap)
+    tick = n
+    while len(heap) > 1:
+        _, _, sa, ma = heapq.heappop(heap)
+        _, _, sb, mb = heapq.heappop(heap)
+        pairs = sorted(((sa[j] + sb[k - 1 - j], ma[j] + mb[k - 1 - j]) for j in range(k)),
+                       key=lambda t: -t[0])
+        sums = [t[0] for t in pairs]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tick, sums, [t[1] for t in pairs]))
+        tick += 1
+    labels = np.zeros(n, np.int64)
+    if heap:
+        for j, members in enumerate(heap[0][3]):
+            labels[members] = j
+    return labels
+
+
+def max_ends(head: np.ndarray, rows: np.ndarray, cap: int | None, max_rows: int | None) -> np.ndarray:
+    """For each start ``s``, the largest end ``e`` with run ``[s, e)`` within the caps.
+
+    ``head`` [U] is the units' longest length, non-increasing; a run
+    ``[s, e)`` holds ``R[e] - R[s]`` rows (``R`` the prefix sum of ``rows``) of
+    length ``head[s]``. Returns [U] int64 ends (``e > s`` unless unit ``s``
+    alone breaks a cap).
+    """
+    prefix = np.concatenate([[0], np.cumsum(rows)])
+    limit = np.full(head.size, np.iinfo(np.int64).max // 4, np.int64)
+    if cap is not None:
+        limit = np.where(head > 0, cap // np.maximum(head, 1), limit)
+    if max_rows is not None:
+        limit = np.minimum(limit, max_rows)
+    return np.searchsorted(prefix, prefix[:-1] + limit, side="right") - 1
+
+
+def min_segments(ends: np.ndarray) -> list[int]:
+    """The fewest runs: greedy longest runs from the start. Returns the boundaries."""
+    bounds = [0]
+    while bounds[-1] < ends.size:
+        nxt = int(ends[bounds[-1]])
+        assert nxt > bounds[-1], "every unit fits alone (checked by the caller)"
+        bounds.append(nxt)
+    return bounds
+
+
+def _run_cost(prefix: np.ndarray, c: np.ndarray, s: int, e: int) -> float:
+    return float((prefix[e] - prefix[s]) * c[s])
+
+
+def _exact(c: np.ndarray, prefix: np.ndarray, ends: np.ndarray, k: int) -> list[int]:
+    """Dynamic program: best[j][e] = cheapest cut of units ``[0, e)`` into ``j + 1`` runs."""
+    u = c.size
+    s = np.arange(u)[:, None]
+    e = np.arange(u + 1)[None, :]
+    run = np.where((e > s) & (e <= ends[:, None]), (prefix[e] - prefix[s]) * c[:, None], np.inf)
+    best = np.full(u + 1, np.inf)
+    best[0] = 0.0
+    back = np.empty((k, u + 1), np.int64)
+    cols = np.arange(u + 1)
+    for j in range(k):
+        total = best[:u, None] + run  # [start, end]
+        back[j] = np.argmin(total, axis=0)
+        best = total[back[j], cols]
+    assert np.isfinite(best[u]), "k is at least the greedy run count, so a cut exists"
+    out = [u]
+    for j in range(k - 1, -1, -1):
+        out.append(int(back[j, out[-1]]))
+    return out[::-1]
+
+
+def segment_padded(c: np.ndarray, rows: np.ndarray, ends: np.ndarray, k: int) -> list[int] | None:
+    """Cut length-sorted units into ``k`` contiguous runs with a small summed padded cost.
+
+    Args:
+        c: [U] per-row cost at each unit's longest length, non-increasing.
+        rows: [U] rows per unit.
+        ends: [U] from :func:`max_ends`.
+        k: number of runs, ``1 <= k <= U``.
+
+    Returns:
+        ``k + 1`` boundaries ``0 = b_0 < ... < b_k = U``, or ``None`` when the
+        caps need more than ``k`` runs.
+    """
+    u = c.size
+    bounds = min_segments(ends)
+    if len(bounds) - 1 > k:
+        return None
+    prefix = np.concatenate([[0.0], np.cumsum(rows, dtype=np.float64)])
+    if u * u * k <= _DP_CELLS:
+        return _exact(c, prefix, ends, k)
+    # Greedy splits: splitting [s, e) at t saves (R[e] - R[t]) (c[s] - c[t]).
+    heap: list[tuple[float, int, int, int]] = []
+
+    def push(s: int, e: int) -> None:
+        if e - s >= 2:
+            t = np.arange(s + 1, e)
+            gain = (prefix[e] - prefix[t]) * (c[s] - c[t])
+            i = int(np.argmax(gain))
+            heapq.heappush(heap, (-float(gain[i]), s, e, int(t[i])))
+
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        push(s, e)
+    cuts = set(bounds)
+    while len(cuts) - 1 < k:
+        assert heap, "k <= U leaves a run to split"
+        _, s, e, t = heapq.heappop(heap)
+        cuts.add(t)
+        push(s, t)
+        push(t, e)
+    out = sorted(cuts)
+    # Boundary polish: each inner boundary to its best position between its
+    # neighbours, keeping both runs within the caps.
+    for _ in range(_POLISH_SWEEPS):
+        moved = False
+        for i in range(1, k):
+            a, b, z = out[i - 1], out[i], out[i + 1]
+            pos = np.arange(a + 1, z)
+            ok = (pos <= ends[a]) & (ends[pos] >= z)
+            if not ok.any():
+                continue
+            total = (prefix[pos] - prefix[a]) * c[a] + (prefix[z] - prefix[pos]) * c[pos]
+            total = np.where(ok, total, np.inf)
+            j = int(np.argmin(total))
+            if total[j] < _run_cost(prefix, c, a, b) + _run_cost(prefix, c, b, z) and int(pos[j]) != b:
+                out[i] = int(pos[j])
+                moved = True
+        if not moved:
+            break
+    assert out[0] == 0 and out[-1] == u and len(out) == k + 1, "k runs covering every unit"
+    return out

@@ -1,0 +1,236 @@
+"""Buffered dispatch: choose each round's samples from a window, not just the latest batch.
+
+A controller that dispatches exactly the samples it just received can only
+balance what it got. Keeping a window of ``window`` rounds' worth of samples
+lets it pick, each round, the subset of ``S = W x samples_per_rank`` samples
+that splits best: with ``padded`` micro-batches, samples of similar length
+(less padding); otherwise a subset whose largest sample does not dominate its
+rank. Every round:
+
+1. samples that first-in-first-out dispatch would have sent ``window - 1``
+   rounds ago go out now (``forced``);
+2. the others are sorted by cost and every run of consecutive ones that
+   completes the round is scored together with the forced ones, and so is the
+   first-in-first-out choice: a lower bound on the slowest rank over the mean
+   real cost (padded: padding and whole micro-batches; summed: the
+   equal-count pigeonhole bound). Among the candidates within 0.1 % of the
+   best (or of perfect balance) the one with the oldest samples wins;
+3. :func:`~balancer.dispatch.plan_dispatch` splits the chosen samples.
+
+Staleness: the ``q``-th sample put (from 0) is dispatched in round
+``q // S + window - 1`` at the latest, at most ``window - 1`` rounds later than
+first-in-first-out would send it, provided :meth:`BufferedDispatcher.next` is
+called only when :meth:`~BufferedDispatcher.ready` (so the window is filled
+ahead). By induction, the samples due in a round are at most one FIFO round's
+``S``. No sample is lost or sent twice. ``window=1`` is plain FIFO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from balancer._llm_units import as_lengths, check_positive, row_cost
+from balancer.dispatch import DispatchPlan, plan_dispatch
+
+__all__ = ["BufferedDispatcher", "DispatchRound"]
+
+_TOL = 1e-3  # scores within this of the best (or of perfect, 1.0) count as equally good
+_MAX_CELLS = 1 << 20  # scored (window, sample) pairs per round; starts are subsampled beyond
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DispatchRound:
+    """One round: which samples go to which rank."""
+
+    ids: np.ndarray
+    """[S] int64 sample ids chosen this round (as given to :meth:`BufferedDispatcher.put`)."""
+    plan: DispatchPlan
+    """The split of ``ids``: its indices point into ``ids``."""
+    round: int
+    """Round number, from 0."""
+    max_lag: int
+    """Largest delay of a chosen sample against first-in-first-out, in rounds
+    (``<= window - 1``; negative when every sample goes out early)."""
+
+    def rank_ids(self, rank: int) -> np.ndarray:
+        """Sample ids for ``rank``."""
+        return self.ids[np.asarray(self.plan.ranks[rank], dtype=np.int64)]
+
+    def micro_batch_ids(self, rank: int) -> list[np.ndarray]:
+        """Sample ids of each micro-batch of ``rank`` (requires micro-batches)."""
+        if self.plan.micro_batches is None:
+            raise ValueError("this round was planned without micro-batches")
+        return [self.ids[np.asarray(m, dtype=np.int64)] for m in self.plan.micro_batches[rank]]
+
+
+class BufferedDispatcher:
+    """Dispatch rounds of ``world_size x samples_per_rank`` samples from a window.
+
+    Example::
+
+        disp = BufferedDispatcher(world_size=8, samples_per_rank=16, window=4,
+                                  padded=True, micro_batch_size=4)
+        for batch in loader:                 # 128 samples per step
+            disp.put(batch.lengths, batch.ids)
+            if disp.ready():
+                rnd = disp.next()
+                send(rnd.rank_ids(r) for r in range(8))
+        for rnd in disp.drain():             # the rest, at the end
+            ...
+
+    Args:
+        world_size: W.
+        samples_per_rank: samples every rank gets per round.
+        window: rounds of samples kept (>= 1); a sample waits at most
+            ``window - 1`` rounds.
+        cost, padded, micro_batch_size, max_tokens, num_micro_batches,
+            min_micro_batches, divisible_by: passed to
+            :func:`~balancer.dispatch.plan_dispatch` (``equal_count`` is
+            always ``True``: every rank gets ``samples_per_rank``).
+            ``padded`` scoring needs ``micro_batch_size``.
+
+    Raises:
+        ValueError: non-positive sizes, or ``padded`` without
+            ``micro_batch_size``.
+    """
+
+    def __init__(self, world_size: int, samples_per_rank: int, *, window: int = 4,
+                 cost: Any = None, padded: bool = False, micro_batch_size: int | None = None,
+                 **dispatch_kwargs: Any) -> None:
+        for name, val in (("world_size", world_size), ("samples_per_rank", samples_per_rank),
+                          ("window", window)):
+            check_positive(name, val, "BufferedDispatcher")
+        if padded and micro_batch_size is None:
+            raise ValueError("BufferedDispatcher: padded=True needs micro_batch_size (rows per "
+                             "micro-batch) to score a window's padding")
+        fn = row_cost(cost)
+        if fn is None:
+            raise ValueError("BufferedDispatcher: cost must be a function of length (or None), "
+                             "not per-sample values")
+        self._w, self._b, self._window = world_size, samples_per_rank, window
+        self._size = world_size * samples_per_rank
+        self._cost, self._fn, self._padded, self._mbs = cost, fn, padded, micro_batch_size
+        self._kwargs = dispatch_kwargs
+        self._ids = np.zeros(0, np.int64)
+        self._lens = np.zeros(0, np.int64)
+        self._seq = np.zeros(0, np.int64)  # arrival number q of each buffered sample
+        self._round = 0
+        self._next_id = 0
+        self._count = 0  # samples put so far
+
+    @property
+    def pending(self) -> int:
+        """Samples in the buffer."""
+        return int(self._ids.size)
+
+    def put(self, lengths: Any, ids: Any = None) -> None:
+        """Add samples (their lengths; ids default to a running counter)."""
+        lens = as_lengths(lengths, "BufferedDispatcher.put")
+        if ids is None:
+            new = np.arange(self._next_id, self._next_id + lens.size, dtype=np.int64)
+        else:
+            new = np.asarray(ids, dtype=np.int64)
+            if new.shape != lens.shape:
+                raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
+            if np.intersect1d(new, self._ids).size or np.unique(new).size != new.size:
+                raise ValueError("ids must be unique among buffered samples")
+        self._next_id = max(self._next_id, int(new.max()) + 1 if new.size else 0)
+        self._ids = np.concatenate([self._ids, new])
+        self._lens = np.concatenate([self._lens, lens])
+        self._seq = np.concatenate([self._seq, self._count + np.arange(lens.size)])
+        self._count += int(lens.size)
+
+    def ready(self) -> bool:
+        """Whether a full window is buffered (``window x S`` samples)."""
+        return self.pending >= self._window * self._size
+
+    def next(self, flush: bool = False) -> DispatchRound:
+        """Choose and split the next round's samples.
+
+        Args:
+            flush: allow a round from a partly filled window (at the end of
+                data); needs ``S`` samples unless fewer remain in all, then the
+                rest goes out with unequal shares where needed.
+
+        Raises:
+            ValueError: fewer than ``S`` samples buffered without ``flush``, or
+                an empty buffer.
+        """
+        n, s = self.pending, self._size
+        if n == 0 or (n < s and not flush):
+            raise ValueError(f"{n} samples buffered, a round needs {s} (pass flush=True at the end)")
+        take = self._choose(min(n, s))
+        lens = self._lens[take]
+        count = take.size
+        kwargs = dict(self._kwargs)
+        if count % self._w:
+            if self._padded:
+                raise ValueError(f"the last {count} samples are not divisible by world_size="
+                                 f"{self._w}; padded rounds give every rank whole micro-batches")
+            kwargs["equal_count"] = False
+        plan = plan_dispatch(lens, self._w, cost=self._cost, padded=self._padded,
+                             micro_batch_size=self._mbs, **kwargs)
+        out = DispatchRound(ids=self._ids[take], plan=plan, round=self._round,
+                            max_lag=int(self._round - (self._seq[take] // s).min()))
+        keep = np.ones(n, bool)
+        keep[take] = False
+        self._ids, self._lens, self._seq = self._ids[keep], self._lens[keep], self._seq[keep]
+        self._round += 1
+        return out
+
+    def drain(self) -> list[DispatchRound]:
+        """Dispatch everything left, oldest first within the window rule."""
+        rounds = []
+        while self.pending:
+            rounds.append(self.next(flush=True))
+        return rounds
+
+    def _choose(self, m: int) -> np.ndarray:
+        """Buffer positions of this round's ``m`` samples."""
+        age = self._round - self._seq // self._size  # rounds behind FIFO
+        by_age = np.argsort(self._seq, kind="stable")  # oldest first
+        forced = by_age[age[by_age] >= self._window - 1]
+        if forced.size >= m:
+            return np.sort(forced[:m])
+        free = np.setdiff1d(np.arange(age.size), forced)
+        need = m - forced.size
+        c = self._fn(self._lens).astype(np.float64)
+        order = free[np.lexsort((free, c[free]))]  # by cost, ties by position
+        starts = np.arange(order.size - need + 1)
+        if starts.size * m > _MAX_CELLS:
+            starts = np.unique(np.linspace(0, order.size - need, _MAX_CELLS // m).astype(np.int64))
+        runs = order[starts[:, None] + np.arange(need)[None, :]]  # [C, need]
+        rows = np.concatenate([np.broadcast_to(forced, (starts.size, forced.size)), runs], axis=1)
+        rows = np.concatenate([by_age[None, :m], rows])  # candidate 0: first in, first out
+        vals = -np.sort(-c[rows], axis=1)  # [C + 1, m], descending per row
+        mean = np.maximum(vals.sum(axis=1) / self._w, 1e-300)
+        if self._padded:
+            assert self._mbs is not None, "checked in __init__"
+            # Micro-batches of the sorted candidate cost rows x cost(longest); the
+            # slowest rank pays at least the padded mean, and at least the
+            # largest micro-batch plus its other k - 1 at the smallest one.
+            sizes = np.minimum(self._mbs, m - np.arange(0, m, self._mbs))
+            chunks = vals[:, :: self._mbs] * sizes  # [C + 1, m / mbs], descending
+            k = -(-chunks.shape[1] // self._w)
+            rank = np.maximum(chunks.sum(axis=1) / self._w, chunks[:, 0] + (k - 1) * chunks[:, -1])
+            score = rank / mean
+        else:
+            # Equal counts (pigeonhole, as in partition.lower_bound): of the
+            # k = (j - 1) W + 1 largest, some rank holds j, plus b - j fillers.
+            b = -(-m // self._w)
+            desc = np.concatenate([np.zeros((vals.shape[0], 1)), np.cumsum(vals, axis=1)], axis=1)
+            j = np.arange(1, min(b, m) + 1)
+            k = (j - 1) * self._w + 1
+            keep = k <= m
+            j, k = j[keep], k[keep]
+            fill = desc[:, m:m + 1] - desc[:, m - (b - j)]
+            pig = (desc[:, k] - desc[:, k - j] + fill).max(axis=1)
+            score = np.maximum(mean, pig) / mean
+        # Balanced enough is enough: among those, the oldest candidate, so that
+        # hard samples do not pile up for later rounds.
+        good = np.flatnonzero(score <= max(float(score.min()), 1.0) * (1 + _TOL))
+        best = good[np.argmax(age[rows[good]].sum(axis=1))]
+        return np.sort(rows[best])

@@ -1,0 +1,384 @@
+"""Micro-batches within a rank: cut a rank's samples into ``k`` micro-batches.
+
+LLM trainers accumulate gradients over micro-batches, each bounded by a token
+budget (activation memory). This module plans that cut on the host:
+
+1. units: samples, or groups of samples that must stay together (GRPO's ``n``
+   responses of one prompt);
+2. ``k``: given, or the fewest micro-batches the token budget allows (raised
+   to ``min_micro_batches`` and to a multiple of ``divisible_by``), made equal
+   on every data-parallel rank with one all-reduce (MAX) of five integers;
+3. the cut (``balancer/_microbatch_pack.py``): balanced summed cost under a
+   hard token cap, or, with ``padded=True``, length-homogeneous micro-batches
+   that minimise the rank's padded compute.
+
+The plan touches no device memory: lengths and costs are host arrays, and the
+only collective is the agreement on ``k`` (skipped when ``k`` is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
+from balancer._microbatch_pack import max_ends, min_segments, pack_sum, segment_padded
+from balancer._partition_free import free_bound
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MicroBatchPlan", "plan_micro_batches"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MicroBatchPlan:
+    """One rank's micro-batches. Arrays are ``[k]`` unless noted; ``N`` samples in all."""
+
+    micro_batches: list[list[int]]
+    """``k`` lists of sample indices, each ascending, heaviest micro-batch first."""
+    inverse: np.ndarray
+    """[N] int64: where sample ``i`` sits in :attr:`order`; ``cat(outputs)[inverse]``
+    puts per-sample outputs back in input order."""
+    num_micro_batches: int
+    """``k`` (the same on every rank that planned together)."""
+    local_min: int
+    """The fewest micro-batches this rank's samples were packed into under the
+    budget, before ``min_micro_batches``, ``divisible_by`` and the agreement."""
+    token_bound: int
+    """No cut fits the budget in fewer: ``ceil(tokens / max_tokens)`` (padded:
+    the greedy run count, which is exact); 1 without a budget."""
+    padded: bool
+    """Whether costs are padded (``rows x cost(longest)``) or summed."""
+    costs: np.ndarray
+    """Cost per micro-batch (float64)."""
+    tokens: np.ndarray
+    """Real tokens per micro-batch (int64)."""
+    padded_tokens: np.ndarray
+    """``rows x longest`` per micro-batch (int64): what a padded batch holds."""
+    bound: float
+    """Lower bound on :attr:`objective` for this ``k``."""
+    objective_before: float
+    """:attr:`objective` of ``k`` contiguous chunks in input order (no planning)."""
+    padded_tokens_before: int
+    """Padded tokens of those chunks."""
+
+    @property
+    def order(self) -> np.ndarray:
+        """[N] int64: the micro-batches concatenated."""
+        return np.concatenate([np.asarray(m, dtype=np.int64) for m in self.micro_batches])
+
+    @property
+    def objective(self) -> float:
+        """The slowest micro-batch (summed costs) or the rank's total (padded costs)."""
+        return float(self.costs.sum() if self.padded else self.costs.max())
+
+    @property
+    def gap(self) -> float:
+        """``objective / bound - 1`` (0 when the bound is 0)."""
+        return self.objective / self.bound - 1 if self.bound > 0 else 0.0
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over real tokens (1.0 = no padding; 1.0 when empty)."""
+        real = int(self.tokens.sum())
+        return int(self.padded_tokens.sum()) / real if real else 1.0
+
+    @property
+    def padding_ratio_before(self) -> float:
+        """:attr:`padding_ratio` of the input-order chunks."""
+        real = int(self.tokens.sum())
+        return self.padded_tokens_before / real if real else 1.0
+
+
+# ------------------------------------------------------------------ helpers
+def _rank_of(pg: ProcessGroup | None) -> int:
+    return dist.get_rank(pg) if dist.is_available() and dist.is_initialized() else 0
+
+
+# ------------------------------------------------------------------ planning
+def _plan_k(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool) -> Any:
+    """The cut at ``k`` (labels [U] or run boundaries), or ``None`` if it does not fit."""
+    if padded:
+        order = np.lexsort((np.arange(un.head.size), -un.head))
+        ends = max_ends(un.head[order], un.rows[order], cap, mbs)
+        cuts = segment_padded(un.head_cost[order], un.rows[order], ends, k)
+        if cuts is None:
+            return None
+        labels = np.empty(un.head.size, np.int64)
+        labels[order] = np.repeat(np.arange(k), np.diff(cuts))
+        return labels
+    return pack_sum(un.cost, un.tokens, k, cap)
+
+
+def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int | None,
+             lo: int, div: int, where: str, strict: bool = True) -> tuple[int, int, dict[int, Any]]:
+    """``(k this rank needs, token bound, {k: cut})``; raises if impossible.
+
+    ``strict=False`` (a dispatcher that can still re-split) returns a ``k``
+    above the unit count instead of raising, with no cut.
+    """
+    u = un.tokens.size
+    if padded:
+        order = np.lexsort((np.arange(u), -un.head))
+        bound = len(min_segments(max_ends(un.head[order], un.rows[order], cap, mbs))) - 1
+    else:
+        bound = -(-int(un.tokens.sum()) // cap) if cap else 1
+    units = "samples" if all(m.size == 1 for m in un.members) else "groups"
+    if num is not None:
+        if num % div or num < lo:
+            raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
+                             f"multiple of divisible_by={div} ({where})")
+        if num > u:
+            if not strict:
+                return num, bound, {}
+            raise ValueError(f"num_micro_batches={num} but only {u} {units}: a micro-batch would "
+                             f"be empty ({where})")
+        cut = _plan_k(un, num, cap, mbs, padded)
+        if cut is None:
+            rows = f", micro_batch_size={mbs}" if padded else ""
+            raise ValueError(f"num_micro_batches={num} cannot hold these {units} under the budget "
+                             f"(max_tokens={cap}{rows}); at least {max(bound, num + 1)} are needed "
+                             f"({where})")
+        return num, bound, {num: cut}
+    k = -(-max(lo, bound) // div) * div
+    while True:
+        if k > u:
+            if not strict:
+                return k, bound, {}
+            raise ValueError(f"needs {k} micro-batches (token budget {cap}, min_micro_batches={lo}, "
+                             f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
+                             f"empty ({where})")
+        cut = _plan_k(un, k, cap, mbs, padded)
+        if cut is not None:
+            return k, bound, {k: cut}
+        k += div
+
+
+def _agree(k: int, fingerprint: int, failed: bool, units: int, pg: ProcessGroup | None
+           ) -> tuple[int, int, bool, int]:
+    """One all-reduce (MAX): ``(max k, first failed rank or -1, same settings, min units)``."""
+    device = torch.device("cpu")
+    if dist.get_backend(pg) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    rank = dist.get_rank(pg)
+    low = -(1 << 62)
+    msg = torch.tensor([k, fingerprint, -fingerprint, rank + 1 if failed else 0,
+                        low if failed else -units], dtype=torch.int64, device=device)
+    dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=pg)
+    # Five integers, needed on the host to plan: the one device sync of the call.
+    top_k, fp_max, neg_fp_min, bad, neg_units = msg.tolist()
+    return top_k, bad - 1, fp_max == -neg_fp_min, -neg_units
+
+
+def _fingerprint(*settings: Any) -> int:
+    text = repr(tuple(s if dataclasses.is_dataclass(s) or s is None or isinstance(s, (int, bool))
+                      else type(s).__name__ for s in settings))
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def _capped_bound(un: Units, k: int, cap: int | None) -> float:
+    """A bound that sees the budget: every micro-batch holds >= ``m = T - (k - 1) cap`` tokens.
+
+    The micro-batch holding unit ``i`` covers its other ``m - t_i`` tokens at
+    no less than the cheapest tokens cost (units by cost per token, the last
+    one fractional), so it costs at least ``c_i + F(m - t_i)``. Matters when
+    the budget is nearly full at the fewest micro-batches.
+    """
+    if cap is None:
+        return 0.0
+    need = int(un.tokens.sum()) - (k - 1) * cap
+    if need <= 0:
+        return 0.0
+    tok = un.tokens.astype(np.float64)
+    cost = un.cost.astype(np.float64)
+    density = cost / np.maximum(tok, 1.0)
+    order = np.argsort(density, kind="stable")
+    cum_t = np.concatenate([[0.0], np.cumsum(tok[order])])
+    cum_c = np.concatenate([[0.0], np.cumsum(cost[order])])
+    rest = np.maximum(need - tok, 0.0)
+    j = np.clip(np.searchsorted(cum_t, rest, side="right") - 1, 0, tok.size - 1)
+    fill = cum_c[j] + (rest - cum_t[j]) * density[order][j]
+    return float((cost + fill).max()) * (1.0 - 1e-12)
+
+
+def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
+            token_bound: int, cap: int | None) -> MicroBatchPlan:
+    """Statistics, heaviest-first order and the inverse permutation of a cut."""
+    u = labels.size
+    tokens = np.bincount(labels, weights=un.tokens, minlength=k).astype(np.int64)
+    rows = np.bincount(labels, weights=un.rows, minlength=k).astype(np.int64)
+    head = np.zeros(k, np.int64)
+    np.maximum.at(head, labels, un.head)
+    costs: np.ndarray
+    if padded:
+        head_cost = np.zeros(k)
+        np.maximum.at(head_cost, labels, un.head_cost)
+        costs = rows * head_cost
+        bound = float(un.sample_cost.sum())
+    else:
+        costs = np.bincount(labels, weights=un.cost, minlength=k)
+        bound = max(float(free_bound(np.sort(un.cost), k, 1)), _capped_bound(un, k, cap))
+    # Input-order chunks of about equal unit counts: what a loader would do.
+    chunk = np.repeat(np.arange(k), np.diff(np.arange(k + 1) * u // k))
+    b_rows = np.bincount(chunk, weights=un.rows, minlength=k)
+    b_head = np.zeros(k, np.int64)
+    np.maximum.at(b_head, chunk, un.head)
+    if padded:
+        b_hc = np.zeros(k)
+        np.maximum.at(b_hc, chunk, un.head_cost)
+        before = float((b_rows * b_hc).sum())
+    else:
+        before = float(np.bincount(chunk, weights=un.cost, minlength=k).max())
+    groups = [np.sort(np.concatenate([un.members[i] for i in np.flatnonzero(labels == j).tolist()]))
+              for j in range(k)]
+    first = np.array([g[0] for g in groups])
+    rank = np.lexsort((first, -costs))  # heaviest first, ties by first sample
+    batches: list[list[int]] = [groups[j].tolist() for j in rank.tolist()]
+    order = np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])
+    # Positions relative to the units' samples in ascending order (all of
+    # range(N) for one rank's plan; a rank's share in a dispatch).
+    local = np.searchsorted(np.sort(order), order)
+    inverse = np.empty(order.size, np.int64)
+    inverse[local] = np.arange(order.size)
+    return MicroBatchPlan(
+        micro_batches=batches, inverse=inverse, num_micro_batches=k, local_min=local_min,
+        token_bound=token_bound, padded=padded, costs=costs[rank].astype(np.float64),
+        tokens=tokens[rank], padded_tokens=(rows * head)[rank], bound=bound,
+        objective_before=before, padded_tokens_before=int((b_rows * b_head).sum()),
+    )
+
+
+def plan_micro_batches(
+    lengths: Any,
+    *,
+    max_tokens: int | None = None,
+    num_micro_batches: int | None = None,
+    min_micro_batches: int = 1,
+    divisible_by: int = 1,
+    micro_batch_size: int | None = None,
+    cost: Any = None,
+    groups: Any = None,
+    padded: bool = False,
+    pg: ProcessGroup | None = None,
+    sync: bool = True,
+) -> MicroBatchPlan:
+    """Cut this rank's samples into micro-batches for gradient accumulation.
+
+    ``k`` is ``num_micro_batches`` when given; otherwise the fewest
+    micro-batches under ``max_tokens`` (the fewest our packing finds, which is
+    ``token_bound`` or rarely one more), at least ``min_micro_batches``,
+    rounded up to a multiple of ``divisible_by`` (Megatron's interleaved
+    schedule needs multiples of ``microbatch_group_size_per_vp_stage``). With
+    ``sync`` and an initialised process group of more than one rank, the
+    ranks of ``pg`` then agree on the largest ``k`` with one all-reduce (MAX)
+    of five integers, which also carries a fingerprint of the settings and an
+    error flag, so that invalid input or differing settings on *any* rank
+    raise ``ValueError`` on *every* rank instead of hanging.
+
+    The cut, for summed costs: balance ``cost`` (default: tokens) over the
+    ``k`` micro-batches, never letting one exceed ``max_tokens`` tokens. For
+    ``padded=True`` (each micro-batch padded to its longest sample): a
+    micro-batch costs ``rows x cost(longest)`` and holds ``rows x longest``
+    tokens (``<= max_tokens``; ``rows <= micro_batch_size``); the plan puts
+    similar lengths together, minimising the rank's summed padded cost.
+
+    Example (one rank, no process group): lengths ``[7] * 8`` with
+    ``max_tokens=8`` give 8 micro-batches of one sample each (7 tokens);
+    verl's ``ceil(56 / 8) = 7`` micro-batches would hold 14 tokens in one.
+    Lengths ``[5, 1, 4, 2, 3, 3]`` with ``max_tokens=6`` give 3 micro-batches
+    of 6 tokens: ``[[0, 1], [2, 3], [4, 5]]``, ``inverse`` ``[0, 1, 2, 3, 4, 5]``.
+
+    Args:
+        lengths: [N] token counts of this rank's samples (list, ndarray or
+            CPU tensor; integers >= 0).
+        max_tokens: token budget per micro-batch (padded tokens with
+            ``padded``), or ``None``.
+        num_micro_batches: a fixed ``k`` (no collective), or ``None``.
+        min_micro_batches: at least this many micro-batches (e.g. the
+            pipeline-parallel stages).
+        divisible_by: ``k`` is a multiple of this.
+        micro_batch_size: with ``padded``, at most this many rows (samples)
+            per micro-batch (torchspec's ``mbs``).
+        cost: per-sample cost: ``None`` (tokens), an estimator with
+            ``of_lengths`` (:class:`~balancer.TransformerCost`) or
+            ``coefficients()`` (the other estimators), a function of the
+            lengths array, or (not with ``padded``) an [N] array.
+        groups: optional [N] int group id; samples sharing an id land in the
+            same micro-batch (a group must fit the budget).
+        padded: micro-batches are padded to their longest sample.
+        pg: the data-parallel group for the agreement (``None``: the default
+            group, resolved at call time).
+        sync: agree on ``k`` across ``pg`` (set ``False`` on a single
+            controller that plans for everyone).
+
+    Returns:
+        A :class:`MicroBatchPlan`.
+
+    Raises:
+        ValueError: empty, non-1-D, negative, NaN or non-integer lengths; a
+            sample or group longer than ``max_tokens`` (named, with its
+            length and the budget); bad settings (non-positive ints,
+            ``num_micro_batches`` not a multiple of ``divisible_by`` or below
+            ``min_micro_batches``, ``micro_batch_size`` without ``padded``);
+            more micro-batches needed than samples or groups; with the
+            collective, any of these on another rank or settings that differ
+            between ranks.
+    """
+    rank = _rank_of(pg)
+    where = f"rank {rank}"
+    collective = (sync and num_micro_batches is None and dist.is_available()
+                  and dist.is_initialized() and dist.get_world_size(pg) > 1)
+    err: ValueError | None = None
+    un: Units | None = None
+    k_local = bound = 0
+    cache: dict[int, Any] = {}
+    try:
+        check_positive("max_tokens", max_tokens, where, allow_none=True)
+        check_positive("num_micro_batches", num_micro_batches, where, allow_none=True)
+        check_positive("min_micro_batches", min_micro_batches, where)
+        check_positive("divisible_by", divisible_by, where)
+        check_positive("micro_batch_size", micro_batch_size, where, allow_none=True)
+        if micro_batch_size is not None and not padded:
+            raise ValueError(f"micro_batch_size={micro_batch_size} bounds the rows of padded "
+                             f"micro-batches; pass padded=True or use max_tokens ({where})")
+        lens = as_lengths(lengths, where)
+        un = make_units(lens, cost, groups, padded, where)
+        check_fits(un, max_tokens, micro_batch_size, padded, where)
+        k_local, bound, cache = _local_k(un, max_tokens, micro_batch_size, padded,
+                                         num_micro_batches, min_micro_batches, divisible_by, where)
+    except ValueError as e:
+        if not collective:
+            raise
+        err = e
+    k = k_local
+    if collective:
+        fp = _fingerprint(max_tokens, min_micro_batches, divisible_by, micro_batch_size, padded,
+                          cost, groups is None)
+        units = 0 if un is None else un.tokens.size
+        k, bad, same, min_units = _agree(k_local, fp, err is not None, units, pg)
+        if err is not None:
+            raise err
+        if bad >= 0:
+            raise ValueError(f"plan_micro_batches failed on rank {bad} (see its error); "
+                             f"nothing was planned ({where})")
+        if not same:
+            raise ValueError("plan_micro_batches got different settings on different ranks "
+                             "(max_tokens, min_micro_batches, divisible_by, micro_batch_size, "
+                             f"padded, cost, groups given or not); pass the same everywhere ({where})")
+        if k > min_units:
+            raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
+                             f"samples or groups: a micro-batch would be empty ({where})")
+    assert un is not None, "set unless an error was raised"
+    cut = cache[k] if k in cache else _plan_k(un, k, max_tokens, micro_batch_size, padded)
+    if cut is None:  # more micro-batches than this rank needed: only a failed heuristic
+        raise RuntimeError(f"no cut into {k} micro-batches found although {k_local} fit ({where})")
+    if k != k_local:
+        logger.debug("rank %d: %d micro-batches (needed %d)", rank, k, k_local)
+    return _finish(un, cut, k, padded, k_local, bound, max_tokens)

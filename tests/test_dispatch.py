@@ -1,0 +1,218 @@
+"""Tests for balancer.dispatch.plan_dispatch: shares, micro-batches, references, errors."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from balancer import TransformerCost
+from balancer.dispatch import DispatchPlan, plan_dispatch
+from balancer.partition import lower_bound
+from tests.llm_reference import (
+    greedy_longest_first,
+    padded_cost,
+    round_robin,
+    verl_dispatch,
+    verl_workload,
+)
+
+COST = TransformerCost(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
+                       num_kv_heads=2, vocab_size=1000)
+
+
+def _lengths(dist: str, n: int, seed: int, top: int = 4096) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dist == "zipf":
+        return np.minimum(rng.zipf(1.2, n), top).astype(np.int64)
+    return np.clip(np.rint(rng.lognormal(6.0, 1.0, n)), 1, top).astype(np.int64)
+
+
+def _check(plan: DispatchPlan, lengths: np.ndarray, w: int, *, equal: bool = True,
+           cap: int | None = None, padded: bool = False, groups: np.ndarray | None = None) -> None:
+    n = lengths.size
+    assert len(plan.ranks) == w
+    assert sorted(i for r in plan.ranks for i in r) == list(range(n)), "every sample exactly once"
+    assert all(r == sorted(r) and r for r in plan.ranks), "ascending, no empty rank"
+    if equal and groups is None and not padded:
+        assert len({len(r) for r in plan.ranks}) == 1
+    assert plan.tokens.tolist() == [int(lengths[r].sum()) for r in plan.ranks]
+    if plan.micro_batches is not None:
+        assert all(len(m) == plan.num_micro_batches for m in plan.micro_batches), "same k everywhere"
+        for share, mbs in zip(plan.ranks, plan.micro_batches, strict=True):
+            assert sorted(i for m in mbs for i in m) == share
+            for m in mbs:
+                assert m, "no empty micro-batch"
+                if cap is not None:
+                    assert (len(m) * lengths[m].max() if padded else lengths[m].sum()) <= cap
+    if groups is not None:
+        owner = {i: r for r, share in enumerate(plan.ranks) for i in share}
+        for g in np.unique(groups):
+            assert len({owner[i] for i in np.flatnonzero(groups == g)}) == 1, "a group on one rank"
+
+
+def test_docstring_example_equal_and_token_budget() -> None:
+    lens = [900, 10, 20, 30, 40, 50, 60, 70]
+    eq = plan_dispatch(lens, 2)
+    assert eq.ranks == [[0, 1, 2, 3], [4, 5, 6, 7]] and eq.loads.tolist() == [960, 220]
+    free = plan_dispatch(lens, 2, equal_count=False)
+    assert free.ranks == [[0], [1, 2, 3, 4, 5, 6, 7]] and free.loads.tolist() == [900, 280]
+    m = free.metrics()
+    assert m["dispatch/load_max"] == 900 and m["dispatch/max_over_bound"] == 1.0
+    assert m["dispatch/samples_min"] == 1 and m["dispatch/samples_max"] == 7
+    assert m["dispatch/speedup"] == pytest.approx(960 / 900)
+
+
+@pytest.mark.parametrize("dist", ["zipf", "lognormal"])
+def test_equal_count_never_worse_than_verl_and_token_budget_better(dist: str) -> None:
+    gaps = []
+    for seed in range(6):
+        w = (2, 4, 8)[seed % 3]
+        lens = _lengths(dist, 64 * w, seed)
+        verl_cost = lambda x: verl_workload(x)  # noqa: E731 - their workload, our partitioner
+        plan = plan_dispatch(lens, w, cost=verl_cost)
+        _check(plan, lens, w)
+        x = verl_workload(lens)
+        ref = max(x[p].sum() for p in verl_dispatch(lens.tolist(), w))
+        assert plan.loads.max() <= ref * (1 + 1e-12)
+        assert plan.loads.max() >= lower_bound(x, w) * (1 - 1e-9)
+        free = plan_dispatch(lens, w, cost=verl_cost, equal_count=False)
+        _check(free, lens, w, equal=False)
+        assert free.loads.max() <= plan.loads.max() * (1 + 1e-9)
+        gaps.append(free.loads.max() / max(x.max(), x.sum() / w) - 1)
+        assert plan.loads_before.max() >= plan.loads.max() * (1 - 1e-12)
+    assert statistics.median(gaps) <= 1e-4
+
+
+def test_micro_batches_same_count_under_cap_with_groups() -> None:
+    rng = np.random.default_rng(3)
+    w, prompts, n_resp = 4, 32, 4  # GRPO: 4 responses per prompt share a uid
+    groups = np.repeat(np.arange(prompts), n_resp)
+    lens = rng.integers(50, 2000, prompts * n_resp)
+    for equal in (True, False):
+        plan = plan_dispatch(lens, w, cost=COST, equal_count=equal, max_tokens=8192,
+                             groups=groups, divisible_by=2)
+        _check(plan, lens, w, equal=equal, cap=8192, groups=groups)
+        assert plan.num_micro_batches % 2 == 0
+        where = {i: (r, j) for r, mbs in enumerate(plan.micro_batches or []) for j, m in enumerate(mbs)
+                 for i in m}
+        for g in range(prompts):
+            assert len({where[i] for i in np.flatnonzero(groups == g)}) == 1, "group in one micro-batch"
+        if equal:
+            assert [len(r) for r in plan.ranks] == [prompts * n_resp // w] * w
+    fixed = plan_dispatch(lens, w, num_micro_batches=3)
+    _check(fixed, lens, w)
+    assert fixed.num_micro_batches == 3
+
+
+def test_token_budget_mode_gives_small_shares_enough_samples_for_k() -> None:
+    lens = np.array([4000, 4000, 4000] + [10] * 45)
+    plan = plan_dispatch(lens, 4, equal_count=False, max_tokens=4096, num_micro_batches=4)
+    _check(plan, lens, 4, equal=False, cap=4096)
+    assert min(len(r) for r in plan.ranks) >= 4
+
+
+def test_padded_beats_torchspec_round_robin_and_greedy() -> None:
+    for seed in range(4):
+        w, b, mbs = 4, 16, 4
+        lens = _lengths("zipf" if seed % 2 else "lognormal", w * b, seed, top=2048)
+        plan = plan_dispatch(lens, w, cost=COST, padded=True, micro_batch_size=mbs)
+        _check(plan, lens, w, padded=True)
+        assert plan.num_micro_batches == b // mbs and all(len(r) == b for r in plan.ranks)
+        f = lambda x: float(COST.of_lengths(np.array([x]))[0])  # noqa: E731
+        # Each plan micro-batch costs rows x cost(longest): the same accounting.
+        for share, mb, load in zip(plan.ranks, plan.micro_batches or [], plan.loads, strict=True):
+            assert load == pytest.approx(sum(len(m) * f(lens[m].max()) for m in mb), rel=1e-12)
+            assert sorted(i for m in mb for i in m) == share
+        rr = max(padded_cost(lens.tolist(), p, mbs, f) for p in round_robin(lens.size, w))
+        costs = COST.of_lengths(lens).tolist()
+        gl = max(padded_cost(lens.tolist(), p, mbs, f) for p in greedy_longest_first(costs, w))
+        assert plan.loads.max() <= min(rr, gl)
+        m = plan.metrics()
+        assert m["dispatch/padding_ratio"] < m["dispatch/padding_ratio_before"]
+    budget = plan_dispatch(_lengths("zipf", 256, 9, top=2048), 8, padded=True, max_tokens=4096)
+    _check(budget, _lengths("zipf", 256, 9, top=2048), 8, cap=4096, padded=True)
+
+
+def test_host_only_no_torch_ops() -> None:
+    """The plan never calls a torch op: safe from a controller or data-loader thread."""
+
+    class NoTorch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            raise AssertionError(f"torch op {func} called while planning")
+
+    lens = _lengths("zipf", 128, 0)
+    with NoTorch():
+        plan = plan_dispatch(lens, 4, max_tokens=8192, cost=COST)
+        padded = plan_dispatch(lens, 4, padded=True, micro_batch_size=4, cost=COST)
+    assert plan.micro_batches is not None and padded.micro_batches is not None
+    again = plan_dispatch(lens, 4, max_tokens=8192, cost=COST)
+    assert again.ranks == plan.ranks and again.micro_batches == plan.micro_batches, "deterministic"
+
+
+@pytest.mark.parametrize(("lengths", "w", "kwargs", "match"), [
+    ([], 2, {}, r"lengths is empty, expected at least one sample \(controller\)"),
+    ([1, float("nan")], 2, {}, r"lengths\[1\] = nan, expected an integer >= 0"),
+    ([1, -3], 2, {}, r"lengths\[1\] = -3, expected an integer >= 0"),
+    ([1, 2, 3], 2, {}, r"3 samples are not divisible by world_size=2 \(equal_count=True\)"),
+    ([1, 2, 3], 4, {"equal_count": False}, r"3 samples for 4 ranks: a rank would be empty"),
+    ([1, 2, 3, 4], 2, {"groups": [7, 7, 7, 7]}, r"1 groups for 2 ranks: a rank would be empty"),
+    ([1, 9000], 2, {"max_tokens": 8192},
+     r"sample 1 needs 9000 tokens, more than max_tokens=8192; it must fit in one micro-batch \(controller\)"),
+    ([1, 2], 2, {"padded": True, "equal_count": False}, "equal_count=False is not supported"),
+    ([1, 2, 3, 4], 2, {"num_micro_batches": 3},
+     r"3 micro-batches per rank but a rank has only 2 samples"),
+    ([1, 2, 3, 4], 2, {"num_micro_batches": 3, "divisible_by": 2},
+     r"num_micro_batches=3 must be >= min_micro_batches=1 and a multiple of divisible_by=2"),
+    ([5] * 4, 2, {"padded": True, "num_micro_batches": 1, "max_tokens": 5},
+     r"num_micro_batches=1 per rank cannot hold these samples under the budget \(max_tokens=5, "
+     r"micro_batch_size=None\): 4 micro-batches are needed in all"),
+    ([5] * 4, 2, {"padded": True, "num_micro_batches": 3},
+     r"2 ranks x 3 micro-batches need 6 samples, only 4 given"),
+    ([1, 2], 0, {}, r"world_size=0, expected an int >= 1 \(controller\)"),
+])
+def test_errors(lengths: list, w: int, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_dispatch(lengths, w, **kwargs)
+
+
+def test_tensor_input_must_be_on_the_host() -> None:
+    plan = plan_dispatch(torch.tensor([5, 1, 4, 2]), 2)
+    assert plan.loads.tolist() == [6, 6]
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines only
+        with pytest.raises(ValueError, match="expected a host array"):
+            plan_dispatch(torch.tensor([5, 1], device="cuda"), 2)
+
+
+def test_random_settings_give_a_valid_plan_or_a_value_error() -> None:
+    """Random sizes, budgets, groups and modes: every plan keeps every invariant."""
+    rng = np.random.default_rng(123)
+    planned = 0
+    for t in range(120):
+        n, w = int(rng.integers(1, 60)), int(rng.integers(1, 6))
+        lens = rng.integers(0, 300, n) if t % 3 else np.minimum(rng.zipf(1.3, n), 300)
+        groups = None if t % 4 else rng.integers(0, max(1, n // 3), n)
+        padded = rng.random() < 0.3
+        kw: dict = {}
+        if rng.random() < 0.5:
+            kw["max_tokens"] = int(rng.integers(300, 2000))
+        elif rng.random() < 0.5:
+            kw["num_micro_batches"] = int(rng.integers(1, 4))
+        if padded and rng.random() < 0.5:
+            kw["micro_batch_size"] = int(rng.integers(1, 8))
+        if rng.random() < 0.3:
+            kw["divisible_by"] = int(rng.integers(1, 4))
+        equal = padded or rng.random() < 0.6
+        try:
+            plan = plan_dispatch(lens, w, cost=COST if t % 2 else None, equal_count=equal,
+                                 groups=groups, padded=padded, **kw)
+        except ValueError:
+            continue
+        planned += 1
+        _check(plan, lens, w, equal=equal, cap=kw.get("max_tokens"), padded=padded, groups=groups)
+        if plan.micro_batches is not None and "num_micro_batches" not in kw:
+            assert plan.num_micro_batches % kw.get("divisible_by", 1) == 0
+    assert planned >= 40
