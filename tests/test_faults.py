@@ -128,8 +128,12 @@ def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, A
         return "ok", "", time.perf_counter() - t0, None, None
     except ShuffleAbortedError as e:
         err = e
+    dt = time.perf_counter() - t0
     later = _outcome(lambda: s.shuffle(batch))  # the shuffler is closed now
-    return type(err).__name__, str(err), time.perf_counter() - t0, (err.phase, err.missing), later[:2]
+    # Rank 0 hosts the store through which peers learn who is missing: stay up
+    # while they look (a real job's ranks are still raising at that point).
+    time.sleep(TIMEOUT)
+    return type(err).__name__, str(err), dt, (err.phase, err.missing), later[:2]
 
 
 @pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
