@@ -360,6 +360,19 @@ class BatchShuffler(_ShufflerBase):
         self._prev: dict[str, tuple[int, int]] = {}  # background thread only: (seq, plan digest)
         self._worker: PartitionWorker | None = None
 
+    def connect(self, pg: dist.ProcessGroup | None = None) -> None:
+        """Create the shuffler's two gloo groups over ``pg`` now (otherwise the
+        first multi-rank ``start_shuffle_async`` does). Every rank of ``pg``
+        calls it at the same point of its program; call it from the thread that
+        creates your other process groups when shuffles will run elsewhere
+        (e.g. in a data-loading thread). A no-op without torch.distributed or
+        with one rank.
+        """
+        self._check_open()
+        group, w, _ = _comm.resolve_group(pg)
+        if w > 1:
+            self._groups_for(group)
+
     # ------------------------------------------------------------- phases
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
         """Phase 1: capture this rank's metadata and queue the background work.
