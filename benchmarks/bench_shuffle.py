@@ -40,7 +40,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from balancer._plan import sample_bytes, wire_layout  # noqa: E402
+from balancer._layout import wire_layout  # noqa: E402
+from balancer._plan import sample_bytes  # noqa: E402
+from balancer._protocol import lengths_matrix  # noqa: E402
 from balancer.batch import BaseBatch  # noqa: E402
 from balancer.shuffler import BatchShuffler  # noqa: E402
 from balancer.testing import run_workers  # noqa: E402
@@ -104,6 +106,13 @@ def _run(shuffler: BatchShuffler, batches: list[BenchBatch], warmup: int, overla
     return times, stats
 
 
+def _batch_bytes(batch: BaseBatch) -> int:
+    """Phase 2 payload bytes of a whole batch (what an all-gather of it moves)."""
+    layout = wire_layout(batch)
+    lengths = lengths_matrix(batch, layout).numpy()[None]
+    return int(sample_bytes(layout.plan_layout(), lengths).sum())
+
+
 def worker(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for b in cfg["batch_sizes"]:
@@ -119,7 +128,7 @@ def worker(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                     world_size=w, batch_size=b, dist=dist_name, comm=comm, locality=locality, rank=rank,
                     times=times, p2_times=p2_times,
                     bytes_sent=[s.bytes_sent for s in stats],
-                    batch_bytes=[int(sample_bytes(x, wire_layout(x)).sum()) for x in batches[cfg["warmup"]:]],
+                    batch_bytes=[_batch_bytes(x) for x in batches[cfg["warmup"]:]],
                     moved=[s.moved_fraction for s in stats],
                     imb_before=[s.imbalance_before for s in stats],
                     imb_after=[s.imbalance_after for s in stats],

@@ -51,6 +51,7 @@ from balancer.pipeline import (
     BalancedTrainPipelineSparseDist,
     create_train_pipeline,
 )
+from balancer.partition import balanced_partition, karmarkar_karp
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from balancer.testing import run_workers
 from balancer.workloads import TokenCount
@@ -278,6 +279,15 @@ def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture
         )
     assert isinstance(on.shuffler, BatchShuffler) and on.shuffler.comm == "allgather"
     assert [r.message for r in caplog.records if "TokenCount over all features" in r.message]
+    # Every setting reaches the shuffler as named (a silent fallback to the
+    # default partitioner would otherwise pass unnoticed).
+    kk = create_train_pipeline(model, opt, cpu, BalancerConfig(  # type: ignore[arg-type]
+        enable_balanced_shuffler=True, partition="karmarkar_karp", locality=False, shuffle_timeout_s=12.5))
+    assert isinstance(kk.shuffler, BatchShuffler)
+    assert kk.shuffler.partition is karmarkar_karp and kk.shuffler.executor == "thread"
+    assert kk.shuffler.locality is False and kk.shuffler.timeout == 12.5
+    bal = create_train_pipeline(model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True))  # type: ignore[arg-type]
+    assert bal.shuffler.partition is balanced_partition and bal.shuffler.executor == "process"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
         create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]
 
