@@ -11,9 +11,10 @@ torch and torchrec in every worker (5-9 s each). So a test launches once and
 loops over its sub-cases inside the worker.
 
 The worker function must be importable by name (defined at module level of an
-importable module or of the ``__main__`` script) and takes ``(rank,
-world_size, *args)``; arguments and the result must be picklable (plain Python
-/ numpy).
+importable module or of the ``__main__`` script, whose launching code then sits
+under ``if __name__ == "__main__":`` -- the server re-imports the script) and
+takes ``(rank, world_size, *args)``; arguments and the result must be picklable
+(plain Python / numpy).
 
 ``run_workers`` raises if any rank failed, with every rank's traceback;
 ``run_workers_outcomes`` returns each rank's result or :class:`WorkerError`, for
@@ -74,15 +75,20 @@ def _mp_context() -> multiprocessing.context.ForkServerContext:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], q: Any
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], q: Any,
+    backend: str = "gloo",
 ) -> None:
     # One intra-op thread per rank: ranks share the machine's cores.
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one GPU)
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs
         )
         out: Any = fn(rank, world_size, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -100,9 +106,12 @@ def _entry(
 
 
 def run_workers_outcomes(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (forkserver workers).
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (forkserver workers).
+
+    ``backend``: ``"gloo"`` (default; ranks may also hold CUDA tensors, all on
+    one GPU) or ``"nccl"`` (rank r on GPU r; needs ``world_size`` GPUs).
 
     Returns:
         Per rank, its return value or a :class:`WorkerError`.
@@ -115,7 +124,7 @@ def run_workers_outcomes(
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -143,10 +152,10 @@ def run_workers_outcomes(
 
 
 def run_workers(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
 ) -> list[Any]:
     """Like :func:`run_workers_outcomes` but raises if any rank raised."""
-    outs = run_workers_outcomes(fn, world_size, *args, timeout=timeout)
+    outs = run_workers_outcomes(fn, world_size, *args, timeout=timeout, backend=backend)
     errors = [o for o in outs if isinstance(o, WorkerError)]
     if errors:
         text = "\n".join(f"--- rank {e.rank}: {e.type_name}: {e.message}\n{e.traceback}" for e in errors)

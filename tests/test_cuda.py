@@ -1,0 +1,277 @@
+"""The CUDA tier: ``pytest -m cuda`` (and ``-m nccl`` with two or more GPUs).
+
+The same properties as the CPU suite, with CUDA tensors: every sample once,
+bit-identical to the CPU shuffle of the same batches, and no host
+synchronisation -- checked with ``torch.cuda.set_sync_debug_mode("error")``,
+which raises on any synchronising call (``.item()``, ``.cpu()``, a blocking
+copy, ``nonzero``, ...).
+
+* gloo ranks that hold CUDA tensors share one GPU (NCCL refuses two ranks on
+  one GPU). Gloo moves CUDA tensors through host memory, which synchronises by
+  design, so its transport call alone runs outside the debug mode; everything
+  the library does around it runs inside.
+* NCCL (two or more GPUs): the whole shuffle runs inside the debug mode.
+
+Every test skips, with the reason, when there is no CUDA device or fbgemm-gpu
+has no CUDA kernels (the CPU wheel ``fbgemm-gpu-cpu`` has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from balancer import _gather
+from balancer._gather import host_tensors, take_runs, upload
+from balancer._runs import IndexBlob, plan_runs
+from balancer.shuffler import BatchShuffler
+from balancer.testing import run_workers
+from tests.test_exchange import expected, simulate
+from tests.test_shuffler import assert_identical, make_batch, rows, token_count
+
+pytestmark = pytest.mark.cuda
+
+
+def _fbgemm_cuda() -> bool:
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::permute_1D_sparse_data", "CUDA"))
+    except RuntimeError:
+        return False
+
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _fbgemm_cuda()),
+    reason="needs a CUDA device and fbgemm-gpu's CUDA kernels (permute_1D_sparse_data; the CPU wheel has none)")
+needs_nccl = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not _fbgemm_cuda(),
+    reason="NCCL needs two or more CUDA devices (it refuses two ranks on one GPU) and fbgemm-gpu's CUDA kernels")
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Raise on any synchronising CUDA call inside the block."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def gloo_transport_exempt() -> Iterator[None]:
+    """Gloo's own host staging of CUDA tensors is allowed to synchronise."""
+    saved = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single", "all_gather_into_tensor")
+             if hasattr(dist, n)}
+
+    def exempt(real: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return real(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        return call
+
+    for name, real in saved.items():
+        setattr(dist, name, exempt(real))
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def _downstream(batch: Any) -> None:
+    for kjt in batch.kjt_fields().values():
+        kjt.length_per_key()
+        kjt.offset_per_key()
+        kjt.offsets()
+        kjt.to_dict()
+
+
+# ------------------------------------------------------------- single GPU
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float16, torch.uint8])
+@pytest.mark.parametrize("use_fbgemm", [True, False])
+def test_take_runs_on_cuda(dtype: torch.dtype, use_fbgemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_gather, "_PERMUTE", use_fbgemm and _gather._PERMUTE)
+    rng = np.random.default_rng(0)
+    buf = torch.from_numpy(rng.integers(0, 256, 4096).astype(np.uint8)).view(dtype)
+    dev = torch.device("cuda")
+    for _ in range(10):
+        cuts = np.sort(rng.choice(buf.numel(), size=2 * int(rng.integers(1, 30)), replace=False))
+        starts, ends = cuts[0::2], cuts[1::2]
+        order = rng.permutation(starts.size)
+        blob = IndexBlob()
+        g = plan_runs(blob, buf.numel(), starts[order], (ends - starts)[order])
+        device_blob = upload(host_tensors(blob.freeze(), pin=True), dev)
+        src = buf.to(dev)
+        with no_sync():
+            got = take_runs(src, g, device_blob)
+        want = torch.cat([buf[a:b] for a, b in zip(starts[order], ends[order], strict=True)])
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@needs_cuda
+@pytest.mark.parametrize("comm", ["all2all", "allgather"])
+def test_simulated_exchange_on_cuda(comm: str) -> None:
+    rng = np.random.default_rng(3)
+    for case in range(6):
+        w, b = 3, int(rng.choice([2, 5]))
+        batches = [make_batch(r, b, int(rng.integers(0, b + 1)), seed=case, labels=["kjt", "dense", None][case % 3])
+                   for r in range(w)]
+        dest = rng.permutation(np.repeat(np.arange(w), b))
+        for r, (out, want) in enumerate(zip(simulate(batches, dest, comm, "cuda"), expected(batches, dest),
+                                            strict=True)):
+            assert rows(out)[: len(want)] == want, (case, r)
+
+
+def _gloo_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any, ...]]:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+    out = []
+    for comm in ("all2all", "allgather"):
+        on_gpu, on_cpu = BatchShuffler(token_count, comm=comm), BatchShuffler(token_count, comm=comm)
+        for case in range(5):
+            cpu = make_batch(rank, 7, [7, 4, 0, 7, 5][case] if rank == 1 else 7, seed=30 + case,
+                             labels=["kjt", "dense", None, "kjt", "dense"][case])
+            gpu = cpu.to(dev)
+            with no_sync():
+                h = on_gpu.start_shuffle_async(gpu)
+            with no_sync(), gloo_transport_exempt():
+                got = on_gpu.finish_shuffle(gpu, h)
+                _downstream(got)
+            ref = on_cpu.shuffle(cpu)
+            assert_identical(got.to(torch.device("cpu")), ref)  # bit for bit the CPU result
+            out.append((rows(cpu)[: cpu.actual_batch_size], rows(ref)[: ref.actual_batch_size]))
+        on_gpu.close()
+        on_cpu.close()
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("w", [2, 4])
+def test_shuffle_cuda_tensors_on_gloo_ranks_without_host_sync(w: int) -> None:
+    per_rank = run_workers(_gloo_cuda_worker, w, timeout=300)
+    for case in range(len(per_rank[0])):
+        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+
+
+def _nccl_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
+    dev = torch.device("cuda", rank)
+    out = []
+    for comm in ("all2all", "allgather"):
+        on_gpu, on_cpu = BatchShuffler(token_count, comm=comm), BatchShuffler(token_count, comm=comm)
+        for case in range(4):
+            cpu = make_batch(rank, 9, [9, 6, 0, 9][case] if rank % 2 else 9, seed=50 + case)
+            gpu = cpu.to(dev)
+            with no_sync():
+                h = on_gpu.start_shuffle_async(gpu)
+                got = on_gpu.finish_shuffle(gpu, h)
+                _downstream(got)
+            ref = on_cpu.shuffle(cpu)
+            assert_identical(got.to(torch.device("cpu")), ref)
+            out.append((rows(cpu)[: cpu.actual_batch_size], rows(ref)[: ref.actual_batch_size]))
+    return out
+
+
+@pytest.mark.nccl
+@needs_nccl
+def test_shuffle_on_nccl_without_host_sync() -> None:
+    w = min(torch.cuda.device_count(), 4)
+    per_rank = run_workers(_nccl_worker, w, timeout=300, backend="nccl")
+    for case in range(len(per_rank[0])):
+        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+
+
+# ------------------------------------------------------------------ pipeline
+def _pool(pooled: torch.Tensor, batch: Any) -> torch.Tensor:
+    """[K * B, D] per-(key, sample) bags -> [B, D]: sum over keys."""
+    return pooled.view(len(batch.features.keys()), batch.batch_size, -1).sum(0)
+
+
+def _loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    from balancer import loss as L
+
+    target = (batch.dense[:, 0] % 2).to(logits.dtype)
+    per_sample = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    return L.global_mean_loss(per_sample, int(batch.actual_batch_size))
+
+
+# TorchRec's pipeline fx-traces the forward; batch-size logic stays opaque.
+torch.fx.wrap("_pool")
+torch.fx.wrap("_loss")
+
+
+class _TinyModel(torch.nn.Module):
+    """Sum-pooled plain ``EmbeddingBag`` per key (no TBE kernels), a linear head,
+    the global-mean loss: trains on a ``TaggedBatch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(1024, 8, mode="sum", include_last_offset=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        f = batch.features
+        logits = self.head(_pool(self.emb(f.values() % 1024, f.offsets()), batch)).squeeze(1)
+        loss = _loss(logits, batch)
+        return loss, (loss.detach(), logits.detach())  # the pipeline returns the second item
+
+
+def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda") -> dict[str, Any]:
+    from torchrec.distributed import DistributedModelParallel
+
+    from balancer.loss import global_loss_value
+    from balancer.pipeline import BalancedTrainPipelineSparseDist
+    from balancer.shuffler import IdentityBatchShuffler
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = DistributedModelParallel(_TinyModel(), device=dev, sharders=[])  # dense only: DDP inside
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    shuffler = BatchShuffler(token_count) if balanced else IdentityBatchShuffler()
+    pipe = BalancedTrainPipelineSparseDist(model, opt, dev, shuffler)
+    for hook in ("_start_shuffle", "_finish_shuffles"):  # the balancing hooks, under the debug mode
+        real = getattr(pipe, hook)
+
+        def checked(*a: Any, _real: Any = real, **k: Any) -> Any:
+            with no_sync(), gloo_transport_exempt():
+                return _real(*a, **k)
+
+        setattr(pipe, hook, checked)
+    data = [make_batch(rank, 8, 8 if step < 7 else 5, seed=70 + step, labels="dense") for step in range(8)]
+    it = iter([d.pin_memory() for d in data])
+    losses = []
+    while True:
+        try:
+            loss, _ = pipe.progress(it)  # the model's (loss, logits)
+        except StopIteration:
+            break
+        losses.append(global_loss_value(loss))  # the user's own sync, outside the hooks
+    pipe.close()
+    params = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params}
+
+
+@needs_cuda
+def test_balanced_pipeline_on_cuda_matches_unbalanced() -> None:
+    on = run_workers(_pipeline_worker, 2, True, timeout=300)
+    off = run_workers(_pipeline_worker, 2, False, timeout=300)
+    for a, b in zip(on, off, strict=True):
+        assert len(a["losses"]) == len(b["losses"]) == 8
+        np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
+        for k in b["params"]:
+            np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=1e-5, atol=1e-6, err_msg=k)
