@@ -635,3 +635,22 @@ def test_unsupported_dtype_is_rejected_in_phase_1() -> None:
         assert "[0, 1]" in msg, msg  # every rank names both offending ranks
         for r in (0, 1):
             assert f"dense: torch.complex128 has 16-byte elements, expected one of [1, 2, 4, 8] bytes (rank {r})" in msg
+
+
+# ------------------------------------------------------------------ long run
+def test_many_shuffles_leak_no_thread_fd_child_or_memory() -> None:
+    """300 shuffles with two handles in flight (benchmarks/bench_longrun.py runs 10,000)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_longrun import worker
+
+    for recs in run_workers(worker, 2, 300, 50, timeout=300):
+        run, closed = recs[:-1], recs[-1]
+        steady = run[1:]  # the first checkpoint includes start-up
+        for key in ("threads", "fds", "children"):
+            assert len({r[key] for r in steady}) == 1, (key, [r[key] for r in run])
+        assert steady[-1]["rss_mib"] - steady[0]["rss_mib"] < 8, [r["rss_mib"] for r in run]
+        # close() stops the background thread and the planner process
+        assert closed["threads"] < steady[-1]["threads"] and closed["children"] == 0, closed
