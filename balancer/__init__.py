@@ -29,6 +29,7 @@ from balancer.pipeline import (
     create_train_pipeline,
 )
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler, ShuffleHandle, ShuffleStats
+from balancer.tokens import TokenBatch
 from balancer.workloads import (
     Calibration,
     HSTUAttentionCost,
@@ -59,6 +60,7 @@ __all__ = [
     "ShuffleAbortedError",
     "ShuffleHandle",
     "ShuffleStats",
+    "TokenBatch",
     "TokenCount",
     "TransformerCost",
     "WorkloadFn",

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._exchange import Exchange
-from balancer._gather import DeviceBlob, HostTensors, take_runs, upload
+from balancer._gather import DeviceBlob, HostTensors, put_runs, take_runs, upload
 from balancer._layout import OPAQUE, WireLayout, opaque, section_tensor
 
 logger = logging.getLogger(__name__)
@@ -194,27 +194,44 @@ def receive_buffer(ex: Exchange, device: torch.device) -> torch.Tensor:
 
 def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf: torch.Tensor,
              replace: Any) -> Any:
-    """The output batch from the filled receive buffer: one gather per section,
-    KJTs built with their sizes known (no later access syncs either)."""
+    """The output batch from the filled receive buffer: one gather per section
+    (and one scatter into padded token slots), KJTs built with their sizes
+    known (no later access syncs either)."""
     out: dict[tuple[str, str], torch.Tensor] = {}
-    for s, g in zip(layout.sections, ex.out, strict=True):
-        view = buf.view(OPAQUE[s.itemsize])
-        out[(s.field, s.part)] = take_runs(view, g, blob).view(s.dtype)
-    b = layout.batch_size
+    for s, g, p in zip(layout.sections, ex.out, ex.puts, strict=True):
+        flat = take_runs(buf.view(OPAQUE[s.itemsize]), g, blob)
+        if p is not None:
+            flat = put_runs(flat, p, blob)
+        out[(s.field, s.part)] = flat.view(s.dtype)
+    b = ex.out_batch
+    lengths = []
+    for (idx, int32), dtype in zip(ex.out_lengths, _lengths_dtypes(layout), strict=True):
+        t = (blob.i32 if int32 else blob.i64)[idx]
+        lengths.append(t if t.dtype == dtype else t.to(dtype))
     fields: dict[str, Any] = {}
-    for spec, (idx, int32), per_key in zip(layout.kjts, ex.out_lengths, ex.length_per_key, strict=True):
-        lengths = (blob.i32 if int32 else blob.i64)[idx]
-        if lengths.dtype != spec.lengths_dtype:
-            lengths = lengths.to(spec.lengths_dtype)
+    if layout.is_tokens:
+        lead = (b, ex.out_len) if any(s.stride for s in layout.sections if s.jagged) else (-1,)
+        fields["tokens"] = {t.name: out[(t.name, "tokens")].view(*lead, *t.shape) for t in layout.tokens}
+        fields["samples"] = {d.name: out[(d.name, "samples")].view(b, *d.shape) for d in layout.dense}
+        fields["seq_lens"] = lengths[0]
+        return replace(batch, **fields, batch_size=b, actual_batch_size=ex.num_out)
+    for spec, kl, per_key in zip(layout.kjts, lengths, ex.length_per_key, strict=True):
         offsets = [0]
         for n in per_key:
             offsets.append(offsets[-1] + n)
         fields[spec.name] = KeyedJaggedTensor(
             keys=list(spec.keys), values=out[(spec.name, "values")], weights=out.get((spec.name, "weights")),
-            lengths=lengths, stride=b, length_per_key=list(per_key), offset_per_key=offsets)
+            lengths=kl, stride=b, length_per_key=list(per_key), offset_per_key=offsets)
     for d in layout.dense:
         fields[d.name] = out[(d.name, "dense")].view(b, *d.shape)
-    return replace(batch, **fields, actual_batch_size=ex.num_out)
+    return replace(batch, **fields, batch_size=b, actual_batch_size=ex.num_out)
+
+
+def _lengths_dtypes(layout: WireLayout) -> list[torch.dtype]:
+    if layout.is_tokens:
+        assert layout.seq_lens_dtype is not None, "a token layout knows its seq_lens dtype"
+        return [layout.seq_lens_dtype]
+    return [k.lengths_dtype for k in layout.kjts]
 
 
 def execute(batch: Any, layout: WireLayout, ex: Exchange, host: HostTensors, group: Any,

@@ -17,11 +17,11 @@ import logging
 
 import torch
 
-from balancer._runs import HostBlob, RunGather
+from balancer._runs import HostBlob, RunGather, RunPut
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceBlob", "host_tensors", "take_runs", "upload"]
+__all__ = ["DeviceBlob", "host_tensors", "put_runs", "take_runs", "upload"]
 
 
 def _has_permute() -> bool:
@@ -90,3 +90,14 @@ def take_runs(src: torch.Tensor, g: RunGather, blob: DeviceBlob) -> torch.Tensor
     idx = torch.repeat_interleave(shift, lengths, output_size=g.total)
     idx += torch.arange(g.total, device=src.device)
     return src.index_select(0, idx)
+
+
+def put_runs(src: torch.Tensor, p: RunPut, blob: DeviceBlob) -> torch.Tensor:
+    """Execute ``p``: a zeroed ``[p.dst_numel]`` tensor with ``src``'s runs written in place."""
+    out = src.new_zeros(p.dst_numel)
+    if p.total == 0:
+        return out
+    lengths = blob.i64[p.lengths]
+    idx = torch.repeat_interleave(blob.i64[p.dst_starts] - blob.i64[p.src_starts], lengths, output_size=p.total)
+    idx += torch.arange(p.total, device=src.device)
+    return out.index_copy_(0, idx, src)

@@ -6,12 +6,16 @@ A batch is a set of per-sample tensors. On the wire each tensor is a *section*:
   holds ``lengths[k, i]`` elements, stored key-major (all samples of key 0,
   then key 1, ...);
 * a dense field ``[B, *shape]``: every sample holds ``width = prod(shape)``
-  elements, stored sample-major.
+  elements, stored sample-major;
+* a :class:`~balancer.tokens.TokenBatch` token field: jagged by ``seq_lens``
+  with ``width = prod(per-token shape)`` elements per token, stored back to
+  back (packed, ``stride == 0``) or in fixed per-sample slots of
+  ``stride = L * width`` elements (padded; only the valid prefix travels).
 
-The per-sample lengths of every KJT key form one ``[K_total, B]`` matrix
-(``K_total`` keys over all KJT fields, in declaration order); a KJT section owns
-rows ``[row, row + count)`` of it. The lengths never travel in phase 2: every
-rank learns all of them in phase 1, so every size of phase 2 is a host integer.
+The per-sample lengths (every KJT key, or a token batch's ``seq_lens``) form
+one ``[K_total, B]`` matrix; a jagged section owns rows ``[row, row + count)``
+of it. The lengths never travel in phase 2: every rank learns all of them in
+phase 1, so every size of phase 2 is a host integer.
 
 :func:`wire_layout` re-derives all of this from the batch's tensors at every
 shuffle -- nothing is trusted from construction -- and :func:`layout_problems`
@@ -30,10 +34,11 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._plan import KJTPlan, PlanLayout, SectionPlan
+from balancer.tokens import TokenBatch
 
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
-    "opaque", "wire_layout",
+    "lengths_tensors", "opaque", "wire_layout",
 ]
 
 OPAQUE = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
@@ -68,25 +73,29 @@ class Section:
 
     Attributes:
         field: the batch field it belongs to.
-        part: ``"values"`` or ``"weights"`` of a KJT field, or ``"dense"``.
+        part: ``"values"`` or ``"weights"`` of a KJT field, ``"dense"`` (a dense
+            field of a ``BaseBatch``), ``"tokens"`` or ``"samples"`` (the
+            per-token and per-sample tensors of a ``TokenBatch``).
         dtype: its dtype; ``itemsize`` its element size in bytes.
-        row: first row of its keys in the lengths matrix (``-1`` for dense).
-        count: number of keys (1 for dense).
-        width: elements per sample of a dense section (0 for KJT sections,
-            whose elements per sample are their lengths).
+        row: first row of its keys in the lengths matrix (``-1`` if not jagged).
+        count: number of keys (1 if not jagged).
+        width: elements per length unit (jagged; 1 for KJTs) or per sample.
+        stride: elements per sample slot of a padded token field (0: the
+            samples are stored back to back).
     """
 
     field: str
-    part: Literal["values", "weights", "dense"]
+    part: Literal["values", "weights", "dense", "tokens", "samples"]
     dtype: torch.dtype
     itemsize: int
     row: int
     count: int
     width: int
+    stride: int = 0
 
     @property
     def jagged(self) -> bool:
-        return self.part != "dense"
+        return self.part in ("values", "weights", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +120,33 @@ class WireLayout:
     sections: tuple[Section, ...]
     num_lengths: int
     fingerprint: int
+    tokens: tuple[DenseSpec, ...] = ()  # a TokenBatch's per-token fields (shape: per token)
+    seq_lens_dtype: torch.dtype | None = None  # a TokenBatch's; None for a BaseBatch
+    pad_multiple: int = 1
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.seq_lens_dtype is not None
 
     def plan_layout(self) -> PlanLayout:
         """The numpy view the planner works with (picklable without torch)."""
+        rows: tuple[KJTPlan, ...]
+        if self.is_tokens:  # seq_lens play the part of a one-key KJT's lengths
+            rows = (KJTPlan(0, 1, self.seq_lens_dtype == torch.int32),)
+        else:
+            rows = tuple(KJTPlan(k.row, len(k.keys), k.lengths_dtype == torch.int32) for k in self.kjts)
         return PlanLayout(
             self.batch_size, self.num_lengths,
-            tuple(SectionPlan(s.jagged, s.row, s.count, s.itemsize, s.width) for s in self.sections),
-            tuple(KJTPlan(k.row, len(k.keys), k.lengths_dtype == torch.int32) for k in self.kjts))
+            tuple(SectionPlan(s.jagged, s.row, s.count, s.itemsize, s.width, s.stride) for s in self.sections),
+            rows, self.pad_multiple)
 
     def describe(self) -> dict[str, str]:
         """Every schema property as ``{name: value}``: what phase 1 compares
         field by field when fingerprints differ, to name the difference."""
+        if self.is_tokens:
+            return _describe_tokens(self.batch_class, self.batch_size, self.tokens, self.dense,
+                                    self.seq_lens_dtype, any(s.stride == 0 for s in self.sections if s.jagged),
+                                    self.pad_multiple)
         return describe(self.batch_class, self.batch_size, self.kjts, self.dense)
 
 
@@ -140,6 +165,20 @@ def describe(batch_class: str, b: int, kjts: tuple[KJTSpec, ...] | list[KJTSpec]
     return out
 
 
+def _describe_tokens(batch_class: str, b: int, tokens: tuple[DenseSpec, ...], samples: tuple[DenseSpec, ...],
+                     seq_lens_dtype: Any, packed: bool, pad_multiple: int) -> dict[str, str]:
+    out = {"batch class": batch_class, "batch_size": str(b), "layout": "packed" if packed else "padded",
+           "seq_lens dtype": str(seq_lens_dtype), "pad_multiple": str(pad_multiple),
+           "token fields": str([t.name for t in tokens]), "sample fields": str([t.name for t in samples])}
+    for t in tokens:
+        out[f"tokens[{t.name!r}] dtype"] = str(t.dtype)
+        out[f"tokens[{t.name!r}] per-token shape"] = str(list(t.shape))
+    for t in samples:
+        out[f"samples[{t.name!r}] dtype"] = str(t.dtype)
+        out[f"samples[{t.name!r}] per-sample shape"] = str(list(t.shape))
+    return out
+
+
 def fingerprint(description: dict[str, str]) -> int:
     """int64 hash of a description (the same on every process and platform)."""
     text = repr(sorted(description.items()))
@@ -154,11 +193,36 @@ def _fields(batch: Any) -> tuple[dict[str, KeyedJaggedTensor], dict[str, torch.T
     return batch.kjt_fields(), batch.dense_fields()
 
 
+def _width(shape: tuple[int, ...]) -> int:
+    width = 1
+    for s in shape:
+        width *= s
+    return width
+
+
+def _token_layout(batch: TokenBatch) -> WireLayout:
+    b, packed = batch.batch_size, batch.packed
+    lead = 1 if packed else 2
+    tokens = tuple(DenseSpec(n, t.dtype, tuple(int(x) for x in t.shape[lead:])) for n, t in batch.tokens.items())
+    samples = tuple(DenseSpec(n, t.dtype, tuple(int(x) for x in t.shape[1:])) for n, t in batch.samples.items())
+    length = 0 if packed else batch.max_len
+    sections = [Section(t.name, "tokens", t.dtype, _itemsize(t.dtype), 0, 1, _width(t.shape),
+                        0 if packed else length * _width(t.shape)) for t in tokens]
+    sections += [Section(t.name, "samples", t.dtype, _itemsize(t.dtype), -1, 1, _width(t.shape)) for t in samples]
+    cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
+    desc = _describe_tokens(cls, b, tokens, samples, batch.seq_lens.dtype, packed, batch.pad_multiple)
+    return WireLayout(cls, b, (), samples, tuple(sections), 1, fingerprint(desc), tokens, batch.seq_lens.dtype,
+                      batch.pad_multiple)
+
+
 def wire_layout(batch: Any) -> WireLayout:
-    """The wire layout of ``batch``, derived from its tensors now.
+    """The wire layout of ``batch`` (a ``BaseBatch`` or a ``TokenBatch``),
+    derived from its tensors now.
 
     Reads shapes and dtypes only, never tensor values: no device sync.
     """
+    if isinstance(batch, TokenBatch):
+        return _token_layout(batch)
     kjt_fields, dense_fields = _fields(batch)
     kjts: list[KJTSpec] = []
     sections: list[Section] = []
@@ -169,19 +233,16 @@ def wire_layout(batch: Any) -> WireLayout:
                        None if w is None else w.dtype)
         kjts.append(spec)
         sections.append(Section(name, "values", spec.values_dtype, _itemsize(spec.values_dtype),
-                                row, len(spec.keys), 0))
+                                row, len(spec.keys), 1))
         if spec.weights_dtype is not None:
             sections.append(Section(name, "weights", spec.weights_dtype, _itemsize(spec.weights_dtype),
-                                    row, len(spec.keys), 0))
+                                    row, len(spec.keys), 1))
         row += len(spec.keys)
     dense: list[DenseSpec] = []
     for name, t in dense_fields.items():
         shape = tuple(int(s) for s in t.shape[1:])
         dense.append(DenseSpec(name, t.dtype, shape))
-        width = 1
-        for s in shape:
-            width *= s
-        sections.append(Section(name, "dense", t.dtype, _itemsize(t.dtype), -1, 1, width))
+        sections.append(Section(name, "dense", t.dtype, _itemsize(t.dtype), -1, 1, _width(shape)))
     cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
     b = int(batch.batch_size)
     fp = fingerprint(describe(cls, b, kjts, dense))
@@ -199,6 +260,8 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
     """
     b = layout.batch_size
     out = []
+    if layout.is_tokens:
+        return _token_problems(batch, layout)
     kjt_fields, dense_fields = _fields(batch)
     for spec in layout.kjts:
         kjt = kjt_fields[spec.name]
@@ -219,8 +282,37 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
     return out
 
 
+def _token_problems(batch: TokenBatch, layout: WireLayout) -> list[str]:
+    """A ``TokenBatch`` re-checked at shuffle time (its fields may have been replaced)."""
+    b, out = layout.batch_size, []
+    if tuple(batch.seq_lens.shape) != (b,):
+        out.append(f"seq_lens: shape {tuple(batch.seq_lens.shape)}, expected [batch_size={b}]")
+    lead = {tuple(t.shape[: 1 if batch.packed else 2]) for t in batch.tokens.values()}
+    if len(lead) > 1 or (not batch.packed and next(iter(lead))[0] != b):
+        out.append(f"tokens: leading shapes {sorted(lead)}, expected one {'[T]' if batch.packed else f'[{b}, L]'}")
+    for name, t in batch.samples.items():
+        if t.dim() == 0 or t.shape[0] != b:
+            out.append(f"samples[{name!r}]: shape {tuple(t.shape)}, expected [batch_size={b}, ...]")
+    for s in layout.sections:
+        if s.itemsize not in OPAQUE:
+            out.append(f"{s.part}[{s.field!r}]: {s.dtype} has {s.itemsize}-byte elements, expected one of "
+                       f"{sorted(OPAQUE)} bytes")
+    return out
+
+
+def lengths_tensors(batch: Any, layout: WireLayout) -> list[torch.Tensor]:
+    """The 1-D lengths behind the rows of the lengths matrix, in row order:
+    every KJT's lengths (key-major), or a token batch's ``seq_lens``."""
+    if layout.is_tokens:
+        return [batch.seq_lens]
+    kjts = batch.kjt_fields()
+    return [kjts[k.name].lengths().reshape(-1) for k in layout.kjts]
+
+
 def section_tensor(batch: Any, s: Section) -> torch.Tensor:
     """The tensor behind section ``s`` of ``batch``."""
+    if s.part in ("tokens", "samples"):
+        return getattr(batch, s.part)[s.field]  # type: ignore[no-any-return]
     if s.part == "dense":
         return batch.dense_fields()[s.field]  # type: ignore[no-any-return]
     kjt = batch.kjt_fields()[s.field]

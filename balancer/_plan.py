@@ -46,11 +46,12 @@ shuffler passes scale-free int64 workloads (:func:`balancer._quantize.quantize`)
 class SectionPlan:
     """A wire section as the planner sees it (see :class:`balancer._layout.Section`)."""
 
-    jagged: bool  # KJT values/weights: elements per sample are lengths; else dense
+    jagged: bool  # elements per sample follow the lengths (KJT values/weights, tokens); else dense
     row: int  # first row of its keys in the lengths matrix (-1 for dense)
     count: int  # keys (1 for dense)
     itemsize: int  # bytes per element
-    width: int  # dense: elements per sample
+    width: int  # jagged: elements per length unit; dense: elements per sample
+    stride: int = 0  # jagged: elements per sample slot (padded tokens); 0: back to back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,8 @@ class PlanLayout:
     batch_size: int
     num_lengths: int
     sections: tuple[SectionPlan, ...]
-    kjts: tuple[KJTPlan, ...]
+    kjts: tuple[KJTPlan, ...]  # the fields whose output lengths are rebuilt (a TokenBatch: seq_lens)
+    pad_multiple: int = 1  # padded token fields: output length rounded up to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +80,15 @@ class Gathered:
 
     Attributes:
         workloads: [W * B] float64 by global index ``g = rank * B + i``; 0 for padding.
-        lengths: [W, K_total, B] int64 KJT lengths of every rank's batch.
+        lengths: [W, K_total, B] int64 lengths of every rank's batch.
         real: [W] real samples per rank (the first ``real[r]`` of rank r).
+        pad_len: [W] padded length L of every rank's padded token batch (0 otherwise).
     """
 
     workloads: np.ndarray
     lengths: np.ndarray
     real: np.ndarray
+    pad_len: np.ndarray | None = None
 
     @property
     def world_size(self) -> int:
@@ -112,7 +116,7 @@ def sample_bytes(layout: PlanLayout, lengths: np.ndarray) -> np.ndarray:
     out = np.zeros((w, b), np.int64)
     for s in layout.sections:
         if s.jagged:
-            out += lengths[:, s.row : s.row + s.count].sum(axis=1) * s.itemsize
+            out += lengths[:, s.row : s.row + s.count].sum(axis=1) * s.width * s.itemsize
         else:
             out += s.width * s.itemsize
     return out.reshape(-1)

@@ -5,7 +5,9 @@ shuffler's own CPU (gloo) group, issued by the shuffler's background thread::
 
     header [16]  magic, status, detail, seq, B, K_total, layout fp, config fp,
                  real samples, previous seq, previous plan digest, payload B,
-                 payload K_total, bad value (float64 bits), 2 reserved
+                 payload K_total, bad value (float64 bits), padded length L of a
+                 padded token batch (0 otherwise: ranks may pad differently),
+                 1 reserved
     payload      workloads float64 [B] (as bits), then lengths int32 [K_total, B]
                  (two per word)
 
@@ -47,6 +49,7 @@ from balancer._header import (
     H_KEYS,
     H_LAYOUT,
     H_MAGIC,
+    H_PAD_LEN,
     H_PAY_B,
     H_PAY_K,
     H_PREV_DIGEST,
@@ -58,10 +61,17 @@ from balancer._header import (
     HEADER_LEN,
     MAGIC,
 )
-from balancer._layout import WireLayout, layout_problems, wire_layout
+from balancer._layout import (
+    WireLayout,
+    layout_problems,
+    lengths_tensors,
+    section_tensor,
+    wire_layout,
+)
 
 __all__ = [
-    "H_BATCH", "H_CONFIG", "H_DETAIL", "H_KEYS", "H_LAYOUT", "H_MAGIC", "H_PAY_B", "H_PAY_K", "H_PREV_DIGEST",
+    "H_BATCH", "H_CONFIG", "H_DETAIL", "H_KEYS", "H_LAYOUT", "H_MAGIC", "H_PAD_LEN", "H_PAY_B", "H_PAY_K",
+    "H_PREV_DIGEST",
     "H_PREV_SEQ", "H_REAL", "H_SEQ", "H_STATUS", "H_VALUE", "HEADER_LEN", "MAGIC", "Agreement", "LocalMeta", "Report", "Status", "Verdict", "capture",
     "decide", "describe_failure", "message", "payload_words",
 ]
@@ -118,6 +128,7 @@ class LocalMeta:
     numels: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     host: torch.Tensor | None = None
     event: Any = None
+    pad_len: int = 0  # L of a padded TokenBatch
 
     def agreement(self) -> Agreement:
         return Agreement(self.batch_size, self.num_lengths, self.layout_fp)
@@ -131,14 +142,15 @@ def _fail(meta: LocalMeta, status: int, text: str, cause: BaseException | None =
 
 
 def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:
-    """[K_total, B] int64 lengths of every KJT field, stacked (device ops only)."""
-    kjts, b = batch.kjt_fields(), layout.batch_size
-    rows = [kjts[s.name].lengths().view(len(s.keys), b).to(torch.int64) for s in layout.kjts]
-    return torch.cat(rows) if rows else torch.zeros(0, b, dtype=torch.int64, device=batch.device)
+    """[K_total, B] int64 lengths (every KJT key, or ``seq_lens``), stacked (device ops only)."""
+    rows = [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
+    flat = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=batch.seq_lens.device
+                                                    if layout.is_tokens else batch.device)
+    return flat.view(layout.num_lengths, layout.batch_size)
 
 
 def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, rank: int,
-            config: int, base_type: type[Any]) -> LocalMeta:
+            config: int, base_type: type[Any] | tuple[type[Any], ...]) -> LocalMeta:
     """This rank's contribution to shuffle ``seq``; never raises for bad input.
 
     Problems visible from shapes and dtypes (wrong type, layout, workload
@@ -149,12 +161,13 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     """
     meta = LocalMeta(seq, rank, config)
     if not isinstance(batch, base_type):
-        return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a "
-                     f"{base_type.__name__} (rank {rank})")
+        names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
+        return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a {names} (rank {rank})")
     layout = wire_layout(batch)
     meta.layout = layout
     meta.batch_size, meta.num_lengths, meta.layout_fp = layout.batch_size, layout.num_lengths, layout.fingerprint
     b = layout.batch_size
+    meta.pad_len = batch.max_len if layout.is_tokens and not batch.packed else 0
     real = batch.actual_batch_size
     meta.real = int(real) if isinstance(real, int) else -1
     if not 0 <= meta.real <= b:
@@ -163,11 +176,9 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     problems = layout_problems(batch, layout)
     if problems:
         return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")
-    kjts = batch.kjt_fields()
     for s in layout.sections:
         if s.jagged:
-            kjt = kjts[s.field]
-            meta.numels[(s.field, s.part)] = (kjt.values() if s.part == "values" else kjt.weights()).numel()
+            meta.numels[(s.field, s.part)] = section_tensor(batch, s).numel()
     if workload_fn is None:
         w = torch.zeros(b, dtype=torch.float64, device=batch.device)
     else:
@@ -179,7 +190,7 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
             return _fail(meta, Status.BAD_INPUT, f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, "
                          f"expected [batch_size={b}] of an integer or floating dtype (rank {rank})")
     parts = [w.to(device=batch.device, dtype=torch.float64, non_blocking=True).view(torch.int64)]
-    parts += [kjts[k.name].lengths().reshape(-1).to(torch.int64) for k in layout.kjts]
+    parts += [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
     part = torch.cat(parts)
     if part.device.type == "cuda":
         meta.host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
@@ -224,9 +235,10 @@ def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) ->
         data = LocalData(workloads, lengths)
     size = payload_words(agreed)
     msg = np.zeros(HEADER_LEN + size, np.int64)
-    msg[:H_VALUE + 1] = [MAGIC, meta.status, detail, meta.seq, meta.batch_size, meta.num_lengths,
-                         meta.layout_fp, meta.config, meta.real, prev[0], prev[1],
-                         agreed.batch_size if agreed else 0, agreed.num_lengths if agreed else 0, bad_value]
+    msg[:H_PAD_LEN + 1] = [MAGIC, meta.status, detail, meta.seq, meta.batch_size, meta.num_lengths,
+                           meta.layout_fp, meta.config, meta.real, prev[0], prev[1],
+                           agreed.batch_size if agreed else 0, agreed.num_lengths if agreed else 0, bad_value,
+                           meta.pad_len]
     usable = data is not None and meta.status == 0 and agreed == meta.agreement()
     if usable:
         assert data is not None and agreed is not None, "usable implies both"
@@ -263,17 +275,27 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
     if meta.status & Status.NONFINITE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected a finite value (rank {r})")
     if meta.status & Status.BAD_LENGTHS:
-        _fail(meta, 0, f"a KJT length is negative or >= 2**31 (rank {r})")
+        _fail(meta, 0, f"a {'seq_lens' if meta.layout is not None and meta.layout.is_tokens else 'KJT'} length "
+              f"is negative or >= 2**31 (rank {r})")
     layout = meta.layout
     if layout is None or meta.status:
         return
     for s in layout.sections:
-        if s.jagged:
-            expected = int(lengths[s.row : s.row + s.count].sum())
-            got = meta.numels[(s.field, s.part)]
-            if got != expected:
-                _fail(meta, Status.BAD_LENGTHS, f"{s.field}.{s.part} has {got} elements, expected "
-                      f"sum(lengths) = {expected} (rank {r})")
+        if not s.jagged:
+            continue
+        name = f"{s.part}[{s.field!r}]" if s.part == "tokens" else f"{s.field}.{s.part}"
+        got = meta.numels[(s.field, s.part)]
+        if s.stride:  # padded tokens: every sample must fit its slot
+            longest = int(lengths[s.row : s.row + s.count].max(initial=0))
+            if longest * s.width > s.stride:
+                _fail(meta, Status.BAD_LENGTHS, f"seq_lens has a sample of {longest} tokens, longer than "
+                      f"the padded length {s.stride // max(s.width, 1)} of {name} (rank {r})")
+            continue
+        expected = int(lengths[s.row : s.row + s.count].sum()) * s.width
+        if got != expected:
+            what = "sum(seq_lens)" if s.part == "tokens" else "sum(lengths)"
+            _fail(meta, Status.BAD_LENGTHS, f"{name} has {got} elements, expected {what} * "
+                  f"{s.width} = {expected} (rank {r})")
 
 
 # ------------------------------------------------------------------ verdict

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["HostBlob", "IndexBlob", "RunGather", "merge_runs", "plan_runs"]
+__all__ = ["HostBlob", "IndexBlob", "RunGather", "RunPut", "merge_runs", "plan_puts", "plan_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +114,27 @@ def plan_runs(blob: IndexBlob, src_numel: int, starts: np.ndarray, lengths: np.n
     out_starts = np.cumsum(lengths) - lengths
     return RunGather(total, src_numel, blob.add64(segs), blob.add32(2 * position + 1),
                      blob.add64(starts), blob.add64(lengths), blob.add64(out_starts))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPut:
+    """A planned scatter: a contiguous source's runs written at ``dst_starts``
+    of a zeroed output of ``dst_numel`` elements (padded token slots);
+    :func:`balancer._gather.put_runs` executes it."""
+
+    total: int
+    dst_numel: int
+    dst_starts: int
+    lengths: int
+    src_starts: int
+
+
+def plan_puts(blob: IndexBlob, dst_numel: int, dst_starts: np.ndarray, lengths: np.ndarray) -> RunPut:
+    """Plan writing consecutive runs of a source (lengths ``lengths``, in order)
+    at ``dst_starts`` of an output of ``dst_numel`` elements."""
+    lengths = np.asarray(lengths, np.int64)
+    dst_starts = np.asarray(dst_starts, np.int64)
+    assert not lengths.size or int((dst_starts + lengths).max()) <= dst_numel, "a run leaves the output"
+    src_starts = np.cumsum(lengths) - lengths
+    return RunPut(int(lengths.sum()), dst_numel, blob.add64(dst_starts), blob.add64(lengths),
+                  blob.add64(src_starts))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from balancer._exchange import Exchange, Traffic, plan_exchange
-from balancer._header import H_REAL, HEADER_LEN
+from balancer._header import H_PAD_LEN, H_REAL, HEADER_LEN
 from balancer._plan import (
     Gathered,
     PartitionFn,
@@ -62,7 +62,7 @@ def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gather
     workloads = rows[:, HEADER_LEN : HEADER_LEN + b].copy().view(np.float64)
     workloads[np.arange(b)[None, :] >= real[:, None]] = 0.0
     lengths = rows[:, HEADER_LEN + b :].copy().view(np.int32)[:, : k * b].reshape(w, k, b).astype(np.int64)
-    return Gathered(workloads.reshape(-1), lengths, real)
+    return Gathered(workloads.reshape(-1), lengths, real, rows[:, H_PAD_LEN].astype(np.int64))
 
 
 def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm: str, locality: bool,

@@ -50,7 +50,7 @@ from balancer import _comm
 from balancer._comm import ShuffleGroups
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors, host_tensors
-from balancer._layout import WireLayout, fingerprint, wire_layout
+from balancer._layout import WireLayout, fingerprint, section_tensor, wire_layout
 from balancer._plan import PartitionFn
 from balancer._protocol import (
     HEADER_LEN,
@@ -84,12 +84,14 @@ from balancer.partition import (
     localize,
     lower_bound,
 )
+from balancer.tokens import TokenBatch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats"]
 
-_B = TypeVar("_B", bound=BaseBatch)
+_B = TypeVar("_B", BaseBatch, TokenBatch)
+_BATCHES = (BaseBatch, TokenBatch)
 # Partition functions that are deterministic by construction: their plans are
 # not re-checked across ranks before phase 2 (the digest still travels with
 # the next shuffle's message).
@@ -393,7 +395,7 @@ class BatchShuffler(_ShufflerBase):
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
-                           base_type=BaseBatch)
+                           base_type=_BATCHES)
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
             else:
@@ -576,8 +578,8 @@ def _mismatch(batch: Any, meta: LocalMeta | None) -> str:
     """Why ``batch`` cannot finish the shuffle ``meta`` started ("" if it can); shapes only."""
     if meta is None or meta.layout is None or meta.status:
         return ""
-    if not isinstance(batch, BaseBatch):
-        return f"batch is a {type(batch).__name__}, expected a BaseBatch"
+    if not isinstance(batch, _BATCHES):
+        return f"batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch"
     layout = wire_layout(batch)
     if layout.fingerprint != meta.layout_fp:
         return "batch has another layout (fields, keys, dtypes or per-sample shapes)"
@@ -585,8 +587,7 @@ def _mismatch(batch: Any, meta: LocalMeta | None) -> str:
         return f"batch has actual_batch_size={batch.actual_batch_size}, the started one {meta.real}"
     for s in layout.sections:
         if s.jagged:
-            kjt = batch.kjt_fields()[s.field]
-            n = (kjt.values() if s.part == "values" else kjt.weights()).numel()
+            n = section_tensor(batch, s).numel()
             if n != meta.numels.get((s.field, s.part)):
                 return f"{s.field}.{s.part} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
     return ""
@@ -610,7 +611,7 @@ class IdentityBatchShuffler(_ShufflerBase):
         t0 = perf_counter()
         job, meta = None, None
         if self._workload_fn is not None:
-            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=BaseBatch)
+            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=_BATCHES)
             job = self._pool().submit(self._local_job, meta, "identity")
         return self._register(ShuffleHandle(self._next_seq, 1, rank, perf_counter() - t0, self._token, job, meta))
 

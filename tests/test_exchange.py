@@ -28,11 +28,13 @@ def simulate(batches: list, dest: np.ndarray, comm: str, device: str = "cpu") ->
     b = layout.batch_size
     lengths = np.stack([lengths_matrix(x, layout).numpy() for x in batches])
     real = np.array([x.actual_batch_size for x in batches])
-    g = Gathered(np.zeros(w * b), lengths, real)
+    pad_len = np.array([x.max_len if getattr(x, "packed", True) is False else 0 for x in batches])
+    g = Gathered(np.zeros(w * b), lengths, real, pad_len)
     plans = [plan_exchange(comm, layout.plan_layout(), g, plan_rank(dest, b, real, r)) for r in range(w)]
     dev = torch.device(device)
     blobs = [upload(host_tensors(p.blob, pin=dev.type == "cuda"), dev) for p in plans]
-    sends = [pack(x.to(dev), layout, p, bl) for x, p, bl in zip(batches, plans, blobs, strict=True)]
+    layouts = [wire_layout(x) for x in batches]  # a padded token batch's L may differ by rank
+    sends = [pack(x.to(dev), lay, p, bl) for x, lay, p, bl in zip(batches, layouts, plans, blobs, strict=True)]
     outs = []
     for r in range(w):
         buf = receive_buffer(plans[r], dev)
@@ -50,7 +52,7 @@ def simulate(batches: list, dest: np.ndarray, comm: str, device: str = "cpu") ->
             for src in range(w):
                 assert sends[src].numel() == width, (src, sends[src].numel(), width)
                 buf[src * width : (src + 1) * width] = sends[src]
-        outs.append(assemble(batches[r].to(dev), layout, plans[r], blobs[r], buf, replace_unchecked).to(
+        outs.append(assemble(batches[r].to(dev), layouts[r], plans[r], blobs[r], buf, replace_unchecked).to(
             torch.device("cpu")))
     return outs
 

@@ -29,7 +29,7 @@ def test_sections_and_fingerprint() -> None:
     batch = layout_batch(["a", "b"])
     lay = wire_layout(batch)
     assert [(s.field, s.part, s.itemsize, s.count, s.row, s.width) for s in lay.sections] == [
-        ("features", "values", 8, 2, 0, 0), ("features", "weights", 2, 2, 0, 0),
+        ("features", "values", 8, 2, 0, 1), ("features", "weights", 2, 2, 0, 1),
         ("labels", "dense", 4, 1, -1, 1), ("dense", "dense", 8, 1, -1, 3)]
     assert lay.num_lengths == 2
     assert wire_layout(layout_batch(["a", "b"])).fingerprint == lay.fingerprint

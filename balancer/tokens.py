@@ -1,0 +1,145 @@
+"""`TokenBatch`: token sequences without KJTs, padded or packed, with explicit padding.
+
+LLM training loops hold per-token tensors in one of two layouts:
+
+* **padded**: ``tokens[name]`` is ``[B, L, *shape]``; sample ``i`` owns its first
+  ``seq_lens[i]`` positions, the rest is padding (right padding);
+* **packed** (varlen): ``tokens[name]`` is ``[T, *shape]``, the samples'
+  tokens back to back, ``T = sum(seq_lens)``; ``cu_seqlens()`` gives the
+  boundaries that varlen attention kernels take.
+
+Per-sample tensors (a reward, a prompt id, a loss weight) go in ``samples``
+as ``[B, *shape]``. As in :class:`balancer.BaseBatch`, samples
+``[0, actual_batch_size)`` are real and the rest are padding samples, with
+``seq_lens == 0`` and zero rows.
+
+:class:`balancer.BatchShuffler` moves ``TokenBatch`` es like KJT batches --
+every real sample exactly once, only the valid tokens on the wire -- and
+returns the same layout: a padded batch comes back padded to its longest
+sample, rounded up to ``pad_multiple``.
+
+Example::
+
+    batch = TokenBatch(batch_size=4, seq_lens=torch.tensor([3, 5, 2, 0]), actual_batch_size=3,
+                       tokens={"input_ids": ids, "labels": labels},    # [4, L]
+                       samples={"advantage": adv})                      # [4]
+    workload_fn = lambda b: cost.of_lengths(b.seq_lens)                # TransformerCost
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["TokenBatch"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TokenBatch:
+    """A batch of token sequences (see the module docstring).
+
+    Attributes:
+        batch_size: samples, real and padding (B).
+        seq_lens: [B] integer tokens per sample (0 for padding samples).
+        tokens: per-token tensors by name: ``[B, L, *shape]`` (padded) or
+            ``[T, *shape]`` (packed), all in the same layout.
+        packed: the layout of ``tokens``.
+        samples: per-sample tensors by name, ``[B, *shape]``.
+        actual_batch_size: real samples (default ``batch_size``).
+        pad_multiple: a shuffled padded batch is padded to its longest
+            sample rounded up to this multiple (e.g. 8 for tensor cores).
+
+    Raises:
+        ValueError: on a shape that breaks the layout, naming the field, its
+            shape and the expectation (shapes only: nothing is read).
+    """
+
+    batch_size: int
+    seq_lens: torch.Tensor
+    tokens: dict[str, torch.Tensor]
+    packed: bool = False
+    samples: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    actual_batch_size: int | None = None
+    pad_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        b = self.batch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch_size={b!r}, expected an int >= 1")
+        if self.actual_batch_size is None:
+            self.actual_batch_size = b
+        if not 0 <= self.actual_batch_size <= b:
+            raise ValueError(f"actual_batch_size={self.actual_batch_size}, expected 0 <= actual_batch_size "
+                             f"<= batch_size={b}")
+        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple={self.pad_multiple!r}, expected an int >= 1")
+        s = self.seq_lens
+        if not isinstance(s, torch.Tensor) or s.shape != (b,) or s.is_floating_point() or s.dtype == torch.bool:
+            raise ValueError(f"seq_lens: {_describe(s)}, expected an integer tensor [batch_size={b}]")
+        if not self.tokens:
+            raise ValueError("tokens is empty, expected at least one per-token tensor")
+        for name, t in self.tokens.items():
+            lead = 1 if self.packed else 2
+            if not isinstance(t, torch.Tensor) or t.dim() < lead or (not self.packed and t.shape[0] != b):
+                want = "[T, ...]" if self.packed else f"[batch_size={b}, L, ...]"
+                raise ValueError(f"tokens[{name!r}]: {_describe(t)}, expected {want}")
+        lead_shapes = {tuple(t.shape[: (1 if self.packed else 2)]) for t in self.tokens.values()}
+        if len(lead_shapes) > 1:
+            raise ValueError(f"tokens have different leading shapes {sorted(lead_shapes)}; every per-token "
+                             f"tensor needs the same {'[T]' if self.packed else '[B, L]'}")
+        for name, t in self.samples.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b:
+                raise ValueError(f"samples[{name!r}]: {_describe(t)}, expected [batch_size={b}, ...]")
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def max_len(self) -> int:
+        """L of a padded batch (its second dimension); the total T of a packed one."""
+        t = next(iter(self.tokens.values()))
+        return int(t.shape[0] if self.packed else t.shape[1])
+
+    def cu_seqlens(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``[B + 1]`` sample boundaries in the packed token dimension (a device op, no read)."""
+        out = torch.zeros(self.batch_size + 1, dtype=dtype, device=self.device)
+        torch.cumsum(self.seq_lens, 0, out=out[1:])
+        return out
+
+    def attention_mask(self) -> torch.Tensor:
+        """``[B, L]`` bool, True on a padded batch's valid tokens (a device op, no read)."""
+        if self.packed:
+            raise ValueError("attention_mask: a packed batch has no padding; use cu_seqlens()")
+        positions = torch.arange(self.max_len, device=self.device)
+        return positions[None, :] < self.seq_lens[:, None]
+
+    def map_tensors(self, fn: Any, **changes: Any) -> TokenBatch:
+        """A new batch with ``fn`` applied to every tensor; ``changes`` override fields."""
+        new = dict(seq_lens=fn(self.seq_lens), tokens={k: fn(v) for k, v in self.tokens.items()},
+                   samples={k: fn(v) for k, v in self.samples.items()})
+        new.update(changes)
+        return dataclasses.replace(self, **new)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> TokenBatch:
+        """Copy every tensor to ``device``."""
+        return self.map_tensors(lambda t: t.to(device=device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TokenBatch:
+        """Pinned-memory copy when CUDA is available, else ``self``."""
+        if not torch.cuda.is_available() or self.device.type != "cpu":
+            return self
+        return self.map_tensors(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""
+        if self.device.type == "cuda":
+            self.map_tensors(lambda t: t.record_stream(stream) or t)  # type: ignore[func-returns-value]
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)} and dtype {t.dtype}"
+    return f"a {type(t).__name__}"

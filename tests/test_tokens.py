@@ -1,0 +1,157 @@
+"""`TokenBatch`: padded and packed token batches shuffled like KJT batches.
+
+Every sample carries ids ``1 + rank * 1000 + i`` in its tokens (token ``t`` of
+sample ``i``: ``id * 100 + t``) and its per-sample fields, so a test can follow
+it; only valid tokens may arrive, padding must be zeros.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from balancer import TokenBatch
+from balancer.shuffler import BatchShuffler
+from balancer.testing import HostReadRecorder, run_workers
+from tests.test_exchange import simulate
+
+
+def token_batch(rank: int, b: int, real: int, seed: int, packed: bool, max_len: int = 9,
+                pad_multiple: int = 1) -> TokenBatch:
+    rng = np.random.default_rng([seed, rank])
+    lens = np.zeros(b, np.int64)
+    lens[:real] = rng.integers(0, max_len + 1, real)
+    ids = [1 + rank * 1000 + i for i in range(b)]
+    per_token = [[ids[i] * 100 + t for t in range(lens[i])] for i in range(b)]
+    if packed:
+        flat = [x for row in per_token for x in row]
+        tokens = {"input_ids": torch.tensor(flat, dtype=torch.int64).reshape(-1),
+                  "pos3": torch.tensor([[x, -x, 2 * x] for x in flat], dtype=torch.int32).reshape(-1, 3)}
+    else:
+        ids_t = torch.zeros(b, max_len, dtype=torch.int64)
+        pos3 = torch.zeros(b, max_len, 3, dtype=torch.int32)
+        for i, row in enumerate(per_token):
+            ids_t[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            pos3[i, : len(row)] = torch.tensor([[x, -x, 2 * x] for x in row], dtype=torch.int32).reshape(-1, 3)
+        tokens = {"input_ids": ids_t, "pos3": pos3}
+    reward = torch.tensor([float(ids[i]) if i < real else 0.0 for i in range(b)])
+    return TokenBatch(batch_size=b, seq_lens=torch.from_numpy(lens), tokens=tokens, packed=packed,
+                      samples={"reward": reward}, actual_batch_size=real, pad_multiple=pad_multiple)
+
+
+def token_rows(batch: TokenBatch) -> list[tuple[Any, ...]]:
+    """Every real sample as (id, valid tokens of each field, per-sample values); checks padding is zero."""
+    lens = batch.seq_lens.tolist()
+    out = []
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    for i in range(batch.batch_size):
+        fields = []
+        for name, t in batch.tokens.items():
+            data = t[starts[i] : starts[i + 1]] if batch.packed else t[i, : lens[i]]
+            fields.append((name, tuple(data.reshape(-1).tolist())))
+            if not batch.packed:
+                assert not t[i, lens[i]:].any(), (name, i)  # padded slots are zero
+        sample = tuple((n, tuple(v[i].reshape(-1).tolist())) for n, v in batch.samples.items())
+        if i >= (batch.actual_batch_size or 0):
+            assert lens[i] == 0 and not any(any(v) for _, v in sample), i
+            continue
+        out.append((tuple(fields), sample))
+    return out
+
+
+def test_token_batch_validates_shapes() -> None:
+    ok = token_batch(0, 4, 3, seed=0, packed=False)
+    assert ok.max_len == 9 and ok.attention_mask().sum().item() == int(ok.seq_lens.sum())
+    assert token_batch(0, 4, 3, seed=0, packed=True).cu_seqlens().tolist()[-1] == int(ok.seq_lens.sum())
+    for kwargs, text in (
+        ({"batch_size": 0}, r"batch_size=0, expected an int >= 1"),
+        ({"seq_lens": torch.zeros(3, dtype=torch.int64)}, r"seq_lens: shape \(3,\) and dtype torch.int64, expected"),
+        ({"seq_lens": torch.zeros(4)}, r"seq_lens: shape \(4,\) and dtype torch.float32, expected an integer"),
+        ({"tokens": {}}, "tokens is empty"),
+        ({"tokens": {"a": torch.zeros(4, 5), "b": torch.zeros(4, 6)}}, "different leading shapes"),
+        ({"tokens": {"a": torch.zeros(3, 5)}}, r"tokens\['a'\]: shape \(3, 5\).*expected \[batch_size=4, L, ...\]"),
+        ({"samples": {"r": torch.zeros(5)}}, r"samples\['r'\]: shape \(5,\).*expected \[batch_size=4, ...\]"),
+        ({"actual_batch_size": 5}, "actual_batch_size=5, expected"),
+        ({"pad_multiple": 0}, "pad_multiple=0, expected an int >= 1"),
+    ):
+        args = dict(batch_size=4, seq_lens=torch.zeros(4, dtype=torch.int64), tokens={"a": torch.zeros(4, 5)})
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=text):
+            TokenBatch(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("comm", ["all2all", "allgather"])
+def test_simulated_token_exchange(packed: bool, comm: str) -> None:
+    rng = np.random.default_rng(1)
+    for case in range(8):
+        w, b = 3, int(rng.choice([2, 5]))
+        # Padded batches may be padded to a different L on every rank.
+        batches = [token_batch(r, b, int(rng.integers(0, b + 1)), seed=case, packed=packed,
+                               max_len=9 + (3 * r if case % 3 == 0 else 0), pad_multiple=[1, 4][case % 2])
+                   for r in range(w)]
+        dest = rng.permutation(np.repeat(np.arange(w), b))
+        outs = simulate(batches, dest, comm)
+        for r, out in enumerate(outs):
+            want = [token_rows(batches[g // b])[g % b] for g in np.flatnonzero(dest == r)
+                    if g % b < batches[g // b].actual_batch_size]
+            assert token_rows(out) == want, (case, r)
+            assert out.batch_size == b and out.packed == packed
+            if not packed:
+                longest = int(out.seq_lens.max())
+                assert out.max_len == -(-longest // out.pad_multiple) * out.pad_multiple  # re-padded
+
+
+def _token_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
+    out = []
+    cost = lambda b: b.seq_lens.double() ** 2 * 1e-6  # noqa: E731 - any unit: only ratios matter
+    for packed in (False, True):
+        for comm in ("all2all", "allgather"):
+            s = BatchShuffler(cost, comm=comm)
+            for case in range(4):
+                batch = token_batch(rank, 6, [6, 4, 0, 6][case] if rank == 1 else 6, seed=10 + case,
+                                    packed=packed, max_len=7 + 2 * rank, pad_multiple=8)
+                with HostReadRecorder() as reads:
+                    h = s.start_shuffle_async(batch)
+                    got = s.finish_shuffle(batch, h)
+                    got.cu_seqlens()
+                assert reads.calls == [], reads.calls
+                out.append((packed, comm, token_rows(batch), token_rows(got), h.stats.comm,
+                            h.stats.imbalance_before, h.stats.imbalance_after))
+            s.close()
+    errors = {}
+    bad = token_batch(rank, 6, 6, seed=1, packed=True)
+    if rank == 1:  # one token too few for its seq_lens
+        bad.tokens = {k: v[:-1] for k, v in bad.tokens.items()}
+    try:
+        BatchShuffler(cost).shuffle(bad)
+    except ValueError as e:
+        errors["short"] = str(e)
+    mixed = token_batch(rank, 6, 6, seed=1, packed=rank == 1)
+    try:
+        BatchShuffler(cost).shuffle(mixed)
+    except ValueError as e:
+        errors["layout"] = str(e)
+    out.append(("errors", errors))
+    return out
+
+
+def test_token_batches_shuffle_between_ranks() -> None:
+    per_rank = run_workers(_token_worker, 3, timeout=300)
+    n = len(per_rank[0]) - 1
+    for i in range(n):
+        packed, comm = per_rank[0][i][:2]
+        before = Counter(x for r in per_rank for x in r[i][2])
+        after = Counter(x for r in per_rank for x in r[i][3])
+        assert before == after, (packed, comm, i)  # every real sample exactly once, tokens intact
+        assert per_rank[0][i][6] <= per_rank[0][i][5] + 1e-12
+    assert any(r[i][4] != "none" for r in per_rank for i in range(n))  # samples did move
+    for r, res in enumerate(per_rank):
+        errors = res[-1][1]
+        assert "tokens['input_ids'] has" in errors["short"] and "expected sum(seq_lens) * 1" in errors["short"]
+        assert "(rank 1)" in errors["short"] and errors["short"] == per_rank[0][-1][1]["short"]
+        assert "'layout': ranks [0, 2]: 'padded'; rank 1: 'packed'" in errors["layout"], errors["layout"]
