@@ -32,8 +32,9 @@ from balancer._partition_worker import PartitionWorker, solve
 from balancer._quantize import quantize
 
 __all__ = [
-    "Gathered", "KJTPlan", "PartitionFn", "PlanLayout", "SectionPlan", "PartitionResult", "RankPlan", "destinations", "moved_mask", "partition",
-    "plan_digest", "plan_rank", "real_mask", "sample_bytes", "validate_partition",
+    "Gathered", "KJTPlan", "PartitionFn", "PartitionResult", "PlanLayout", "RankPlan", "SectionPlan",
+    "destinations", "moved_mask", "partition", "partition_free", "plan_digest", "plan_rank", "real_mask",
+    "sample_bytes", "validate_partition",
 ]
 
 PartitionFn = Callable[[np.ndarray, int], Sequence[Sequence[int]]]
@@ -170,14 +171,21 @@ class PartitionResult:
 
 
 def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker: PartitionWorker | None,
-              locality: bool, localize: Callable[..., Any], lower_bound: Callable[..., float]) -> PartitionResult:
+              locality: bool, localize: Callable[..., Any], lower_bound: Callable[..., float],
+              capacity: int | None = None) -> PartitionResult:
     """Partition the gathered workloads into W parts of B (background thread).
 
     ``worker`` (the torch-free child) runs ``balanced_partition`` (+ locality)
     when given; if it died, the same :func:`balancer._partition_worker.solve`
     runs here, giving the rows every other rank's child gives. Otherwise ``fn``
     runs here, then ``localize``. The result is never worse than not moving.
+
+    With ``capacity`` the parts are free in size, up to ``capacity`` real
+    samples each (:func:`balancer.partition.free_partition`); see
+    :func:`partition_free`.
     """
+    if capacity is not None:
+        return partition_free(g, layout, capacity, locality)
     w, b = g.world_size, g.batch_size
     x = g.workloads
     home = np.arange(x.size, dtype=np.int64) // b if locality else None
@@ -206,6 +214,59 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
     if _max_load(rows, q) > _max_load(np.arange(w * b).reshape(w, b), q):
         rows = np.arange(w * b, dtype=np.int64).reshape(w, b)  # never worse than staying
     return PartitionResult(destinations(rows, w * b), bound, seconds)
+
+
+def partition_free(g: Gathered, layout: PlanLayout, capacity: int, locality: bool) -> PartitionResult:
+    """Real samples into W parts of at most ``capacity`` each, smallest max load.
+
+    Padding samples stay home (they are never sent). With ``locality`` whole
+    parts go to the ranks that already hold most of their bytes (greedy on the
+    W x W overlap); items are not traded. Never worse than equal counts
+    (``balanced_partition`` is tried too), nor than not moving.
+    """
+    from balancer._partition_free import free_assign, free_bound
+
+    w, b = g.world_size, g.batch_size
+    idx = np.flatnonzero(real_mask(g.real, b))
+    home = idx // b
+    dest = np.arange(w * b, dtype=np.int64) // b
+    x = g.workloads[idx]
+    q = quantize(x)
+    t0 = perf_counter()
+    labels = free_assign(q, w, 0, capacity) if idx.size else np.zeros(0, np.int64)
+    if labels is None:  # the greedy could not place every item under the cap: stay
+        labels = home.copy()
+    labels = np.asarray(labels, np.int64)
+    sizes = sample_bytes(layout, g.lengths).astype(np.float64)
+    if locality and idx.size:
+        labels = _assign_parts(labels, home, sizes[idx], w)
+    # Equal counts are one answer the free problem allows: keep whichever of
+    # the two has the smaller max load (the free heuristic is not always better).
+    rows, _, _ = solve(g.workloads, w, dest if locality else None, sizes if locality else None, quantized=True)
+    equal = destinations(rows, w * b)[idx]
+    load = lambda lab: np.bincount(lab, weights=q, minlength=w).max(initial=0)  # noqa: E731
+    if load(equal) < load(labels):
+        labels = equal
+    if load(labels) > load(home):
+        labels = home  # never worse than staying
+    dest[idx] = labels
+    seconds = perf_counter() - t0
+    top = float(x.max(initial=0.0))
+    bound = float(free_bound(np.sort(x / top), w, 0, capacity)) * top if top > 0 else 0.0
+    return PartitionResult(dest, bound * (1 - 8 * x.size * np.finfo(np.float64).eps), seconds)
+
+
+def _assign_parts(labels: np.ndarray, home: np.ndarray, sizes: np.ndarray, w: int) -> np.ndarray:
+    """Relabel parts so each goes to the rank holding most of its bytes (greedy, deterministic)."""
+    overlap = np.zeros((w, w))
+    np.add.at(overlap, (labels, home), sizes)
+    to_rank = np.full(w, -1, np.int64)
+    taken = np.zeros(w, bool)
+    for flat in np.argsort(-overlap, axis=None, kind="stable"):
+        p, r = divmod(int(flat), w)
+        if to_rank[p] < 0 and not taken[r]:
+            to_rank[p], taken[r] = r, True
+    return to_rank[labels]
 
 
 def plan_digest(dest: np.ndarray) -> int:

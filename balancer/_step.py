@@ -67,7 +67,7 @@ def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gather
 
 def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm: str, locality: bool,
               fn: PartitionFn | None = None, localize: Callable[..., Any] | None = None,
-              lower_bound: Callable[..., float] | None = None) -> Step:
+              lower_bound: Callable[..., float] | None = None, capacity: int | None = None) -> Step:
     """Partition, plan and describe shuffle ``seq`` for ``rank``.
 
     Args:
@@ -76,6 +76,8 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
         fn: a custom partition function, or ``None`` for ``balanced_partition``
             (+ ``localize`` with ``locality``) run right here.
         localize, lower_bound: what a custom ``fn`` is refined and bounded with.
+        capacity: unequal counts: every rank receives at most ``capacity`` real
+            samples (output batch size ``capacity``); ``None``: exactly B each.
     """
     g = gathered_from(rows, layout.batch_size, layout.num_lengths)
     if fn is None:
@@ -85,11 +87,11 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
         localize, lower_bound = _localize, _lower_bound
     assert localize is not None and lower_bound is not None, "a custom partition comes with both"
     result = partition(g, layout, fn=fn, worker=None, locality=locality, localize=localize,
-                       lower_bound=lower_bound)
+                       lower_bound=lower_bound, capacity=capacity)
     b = layout.batch_size
     plan = plan_rank(result.dest, b, g.real, rank)
     moves = bool((moved_mask(result.dest, b) & real_mask(g.real, b)).any())
-    exchange = plan_exchange(comm, layout, g, plan) if moves else None
+    exchange = plan_exchange(comm, layout, g, plan, capacity) if moves else None
     stats = build_stats(seq=seq, rank=rank, comm=comm if moves else "none", workloads=g.workloads,
                         dest=result.dest, real=g.real, lower_bound=result.lower_bound,
                         partition_s=result.seconds, traffic=exchange.traffic if exchange else Traffic(),

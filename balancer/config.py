@@ -107,6 +107,13 @@ class BalancerConfig:
     two steps (a checkpoint, an evaluation). Phase 2 of batches on CUDA runs on
     the NCCL group itself, whose own timeout applies there."""
 
+    capacity: int | None = None
+    """``None``: every rank keeps exactly ``batch_size`` samples. An int
+    ``>= batch_size``: ranks receive different numbers of samples, at most
+    ``capacity`` each, so a few huge samples stop pinning one rank; every batch
+    then has ``batch_size == capacity`` (real samples first, then padding).
+    Needs ``partition="balanced"`` and a globally normalised loss."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -117,3 +124,8 @@ class BalancerConfig:
         check_choice(me, "executor", self.executor, EXECUTORS)
         check_choice(me, "pipeline", self.pipeline, _PIPELINES)
         check_timeout(me, "shuffle_timeout_s", self.shuffle_timeout_s)
+        if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
+                                          or self.capacity < 1):
+            raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")
+        if self.capacity is not None and self.partition != "balanced":
+            raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")

@@ -373,6 +373,7 @@ def create_train_pipeline(
             log_interval=config.log_interval,
             executor=config.executor,
             timeout=config.shuffle_timeout_s,
+            capacity=config.capacity,
         )
     else:
         shuffler = IdentityBatchShuffler()

@@ -67,7 +67,7 @@ from balancer._protocol import (
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer._step import Step, plan_step
 from balancer._version import __version__
-from balancer.batch import BaseBatch, replace_unchecked
+from balancer.batch import BaseBatch, pad_batch, replace_unchecked, trusted
 from balancer.config import (
     COMMS,
     EXECUTORS,
@@ -324,6 +324,14 @@ class BatchShuffler(_ShufflerBase):
             :class:`~balancer.errors.ShuffleAbortedError`; keep it above the
             longest time one rank may spend elsewhere between two shuffles
             (a checkpoint, an evaluation).
+        capacity: ``None`` (default): every rank keeps exactly ``batch_size``
+            samples. An int ``>= batch_size``: token-budget mode -- ranks
+            receive different numbers of samples, at most ``capacity`` each
+            (:func:`balancer.partition.free_partition`), so a few huge samples
+            no longer pin a rank at equal counts; every output has
+            ``batch_size == capacity`` (real samples first, then padding).
+            Normalise the loss globally (:func:`balancer.global_mean_loss` or
+            ``global_weighted_mean_loss`` per token).
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -332,7 +340,8 @@ class BatchShuffler(_ShufflerBase):
     def __init__(self, workload_fn: Callable[[Any], Any], *,
                  comm: str = "all2all",
                  partition: PartitionFn = balanced_partition, locality: bool = True,
-                 log_interval: int = 0, executor: str = "auto", timeout: float = 300.0) -> None:
+                 log_interval: int = 0, executor: str = "auto", timeout: float = 300.0,
+                 capacity: int | None = None) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         me = type(self).__name__
@@ -343,6 +352,12 @@ class BatchShuffler(_ShufflerBase):
         check_interval(me, "log_interval", log_interval)
         check_choice(me, "executor", executor, EXECUTORS)
         check_timeout(me, "timeout", timeout)
+        if capacity is not None:
+            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+                raise ValueError(f"{me}: capacity={capacity!r}, expected None or an int >= batch_size")
+            if partition is not balanced_partition:
+                raise ValueError(f"{me}: capacity={capacity} partitions with free_partition; "
+                                 f"partition={getattr(partition, '__name__', partition)!r} makes equal parts")
         if executor == "auto":
             executor = "process" if partition is balanced_partition else "thread"
         if executor == "process" and partition is not balanced_partition:
@@ -353,8 +368,9 @@ class BatchShuffler(_ShufflerBase):
         super().__init__(workload_fn, log_interval)
         self.comm, self.partition, self.locality, self.executor = comm, partition, locality, executor
         self.timeout = float(timeout)
+        self.capacity = capacity
         self._config = {"comm": comm, "locality": str(locality), "partition": _identity(partition),
-                        "workload_fn": _identity(workload_fn), "balancer": __version__}
+                        "workload_fn": _identity(workload_fn), "capacity": str(capacity), "balancer": __version__}
         self._config_fp = fingerprint(self._config)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
@@ -448,7 +464,7 @@ class BatchShuffler(_ShufflerBase):
             outcome = self._wait(handle, self.timeout + 60.0)
             wait_s = perf_counter() - t_wait
             collective_s = 0.0
-            out: Any = batch
+            out: Any = batch if self.capacity is None else _padded(batch, self.capacity)
             if outcome.exchange is not None:
                 assert outcome.layout is not None, "an exchange has a layout"
                 groups = self._groups_for(group)
@@ -496,8 +512,11 @@ class BatchShuffler(_ShufflerBase):
             else:
                 raise AssertionError("phase-1 agreement did not settle in two rounds")
             assert agreed is not None and meta.layout is not None, "an ok verdict follows an agreement"
+            if self.capacity is not None and self.capacity < agreed.batch_size:
+                raise ValueError(f"BatchShuffler: capacity={self.capacity}, expected >= batch_size="
+                                 f"{agreed.batch_size} (every rank's real samples must fit)")
             kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
-                          comm=self.comm, locality=self.locality)
+                          comm=self.comm, locality=self.locality, capacity=self.capacity)
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
@@ -572,6 +591,13 @@ class BatchShuffler(_ShufflerBase):
         if self._worker is None:
             self._worker = PartitionWorker()  # closes itself when garbage collected
         return self._worker
+
+
+def _padded(batch: Any, size: int) -> Any:
+    """``batch`` with padding samples up to ``size`` (device ops only, nothing read)."""
+    if isinstance(batch, TokenBatch):
+        return batch.pad(size)
+    return trusted(pad_batch, batch, size)
 
 
 def _mismatch(batch: Any, meta: LocalMeta | None) -> str:

@@ -133,6 +133,22 @@ class TokenBatch:
             return self
         return self.map_tensors(lambda t: t.pin_memory())
 
+    def pad(self, batch_size: int) -> TokenBatch:
+        """This batch with padding samples appended up to ``batch_size`` (zero
+        ``seq_lens`` and rows; a packed batch's tokens are unchanged)."""
+        if batch_size < self.batch_size:
+            raise ValueError(f"pad: batch_size={batch_size}, expected >= the batch's {self.batch_size}")
+        if batch_size == self.batch_size:
+            return self
+        extra = batch_size - self.batch_size
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+
+        tokens = self.tokens if self.packed else {k: grow(v) for k, v in self.tokens.items()}
+        return dataclasses.replace(self, batch_size=batch_size, seq_lens=grow(self.seq_lens), tokens=tokens,
+                                   samples={k: grow(v) for k, v in self.samples.items()})
+
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""
         if self.device.type == "cuda":

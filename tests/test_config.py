@@ -37,6 +37,10 @@ def test_frozen() -> None:
         ("log_interval", True),
         ("log_interval", 1.5),
         ("pipeline", "semi_sync"),
+        ("shuffle_timeout_s", 0),
+        ("shuffle_timeout_s", float("nan")),
+        ("capacity", 0),
+        ("capacity", 2.5),
     ],
 )
 def test_invalid_value_names_field_and_value(field: str, value: object) -> None:
@@ -50,3 +54,9 @@ def test_valid_choices() -> None:
             for pipeline in ("sparse_dist", "prefetch"):
                 c = BalancerConfig(True, comm, partition, False, 10, pipeline)
                 assert c.comm == comm and c.partition == partition and c.pipeline == pipeline
+
+
+def test_capacity_needs_the_balanced_partition() -> None:
+    assert BalancerConfig(capacity=48).capacity == 48
+    with pytest.raises(ValueError, match=r"capacity=48 needs partition='balanced', got 'karmarkar_karp'"):
+        BalancerConfig(capacity=48, partition="karmarkar_karp")

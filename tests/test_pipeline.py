@@ -286,7 +286,8 @@ def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture
     assert isinstance(kk.shuffler, BatchShuffler)
     assert kk.shuffler.partition is karmarkar_karp and kk.shuffler.executor == "thread"
     assert kk.shuffler.locality is False and kk.shuffler.timeout == 12.5
-    bal = create_train_pipeline(model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True))  # type: ignore[arg-type]
+    bal = create_train_pipeline(model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True, capacity=40))  # type: ignore[arg-type]
+    assert bal.shuffler.capacity == 40  # type: ignore[union-attr]
     assert bal.shuffler.partition is balanced_partition and bal.shuffler.executor == "process"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
         create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]
