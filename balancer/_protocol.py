@@ -3,10 +3,12 @@
 Every shuffle, every rank contributes one int64 message to an all-gather on the
 shuffler's own CPU (gloo) group, issued by the shuffler's background thread::
 
-    header [16]  magic, status, detail, seq, B, K_total, layout fp, config fp,
+    header [18]  magic, status, detail, seq, B, K_total, layout fp, config fp,
                  real samples, previous seq, previous plan digest, payload B,
                  payload K_total, bad value (float64 bits), padded length L of a
                  padded token batch (0 otherwise: ranks may pad differently),
+                 the shuffle whose output this rank last timed and the seconds
+                 its compute took (online calibration; -1 and 0 otherwise),
                  1 reserved
     payload      workloads float64 [B] (as bits), then lengths int32 [K_total, B]
                  (two per word)
@@ -49,6 +51,7 @@ from balancer._header import (
     H_KEYS,
     H_LAYOUT,
     H_MAGIC,
+    H_MEAS_TIME,
     H_PAD_LEN,
     H_PAY_B,
     H_PAY_K,
@@ -129,6 +132,7 @@ class LocalMeta:
     host: torch.Tensor | None = None
     event: Any = None
     pad_len: int = 0  # L of a padded TokenBatch
+    measured: tuple[int, float] = (-1, 0.0)  # (shuffle, compute seconds) this rank last timed
 
     def agreement(self) -> Agreement:
         return Agreement(self.batch_size, self.num_lengths, self.layout_fp)
@@ -235,10 +239,11 @@ def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) ->
         data = LocalData(workloads, lengths)
     size = payload_words(agreed)
     msg = np.zeros(HEADER_LEN + size, np.int64)
-    msg[:H_PAD_LEN + 1] = [MAGIC, meta.status, detail, meta.seq, meta.batch_size, meta.num_lengths,
+    msg[:H_PAD_LEN + 2] = [MAGIC, meta.status, detail, meta.seq, meta.batch_size, meta.num_lengths,
                            meta.layout_fp, meta.config, meta.real, prev[0], prev[1],
                            agreed.batch_size if agreed else 0, agreed.num_lengths if agreed else 0, bad_value,
-                           meta.pad_len]
+                           meta.pad_len, meta.measured[0]]
+    msg[H_MEAS_TIME] = np.array(meta.measured[1], np.float64).view(np.int64)
     usable = data is not None and meta.status == 0 and agreed == meta.agreement()
     if usable:
         assert data is not None and agreed is not None, "usable implies both"

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from balancer._calibrate import CostModel
 from balancer._exchange import Traffic
 from balancer._plan import moved_mask, real_mask
 
@@ -44,6 +45,9 @@ class ShuffleStats:
             the plan (overlaps the caller's own work).
         collective_s: part of ``phase2_s`` inside the collective call (on CPU
             and gloo the call blocks; with NCCL it only enqueues).
+        calibration: the cost model fitted to measured compute times that
+            this shuffle partitioned with (online calibration), or ``None``
+            (``workload_fn``'s costs were used).
     """
 
     seq: int
@@ -68,6 +72,7 @@ class ShuffleStats:
     moved_fraction: float
     background_s: float = 0.0
     collective_s: float = 0.0
+    calibration: CostModel | None = None
 
     @property
     def imbalance_before(self) -> float:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._calibrate import CostModel, features
 from balancer._exchange import Exchange, Traffic, plan_exchange
 from balancer._header import H_PAD_LEN, H_REAL, HEADER_LEN
 from balancer._plan import (
@@ -46,12 +47,15 @@ class Step:
         digest: :func:`balancer._plan.plan_digest` of ``dest``.
         exchange: phase 2 of this rank, or ``None`` when no sample moves anywhere.
         stats: the shuffle's statistics (calling-thread times still 0).
+        features: [W, 4] what every rank receives, summed per rank: ``workload_fn``
+            cost, L**2, L, samples (online calibration pairs them with times).
     """
 
     dest: np.ndarray
     digest: int
     exchange: Exchange | None
     stats: ShuffleStats
+    features: np.ndarray
 
 
 def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gathered:
@@ -67,7 +71,8 @@ def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gather
 
 def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm: str, locality: bool,
               fn: PartitionFn | None = None, localize: Callable[..., Any] | None = None,
-              lower_bound: Callable[..., float] | None = None, capacity: int | None = None) -> Step:
+              lower_bound: Callable[..., float] | None = None, capacity: int | None = None,
+              cost_model: CostModel | None = None, length_rows: tuple[int, ...] | None = None) -> Step:
     """Partition, plan and describe shuffle ``seq`` for ``rank``.
 
     Args:
@@ -78,8 +83,18 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
         localize, lower_bound: what a custom ``fn`` is refined and bounded with.
         capacity: unequal counts: every rank receives at most ``capacity`` real
             samples (output batch size ``capacity``); ``None``: exactly B each.
+        cost_model: a fitted model (online calibration) whose per-sample costs
+            replace ``workload_fn``'s in the partition and the statistics.
+        length_rows: rows of the lengths matrix summed into a sample's length
+            ``L`` for calibration (``None``: every row).
     """
     g = gathered_from(rows, layout.batch_size, layout.num_lengths)
+    raw = g.workloads
+    chosen = g.lengths if length_rows is None else g.lengths[:, list(length_rows)]
+    totals = chosen.sum(axis=1).reshape(-1)  # every sample's length L, for calibration
+    is_real = real_mask(g.real, layout.batch_size)
+    if cost_model is not None:
+        g = dataclasses.replace(g, workloads=np.where(is_real, cost_model.costs(raw, totals), 0.0))
     if fn is None:
         from balancer.partition import localize as _localize
         from balancer.partition import lower_bound as _lower_bound
@@ -96,4 +111,6 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
                         dest=result.dest, real=g.real, lower_bound=result.lower_bound,
                         partition_s=result.seconds, traffic=exchange.traffic if exchange else Traffic(),
                         background_s=0.0)
-    return Step(result.dest, plan_digest(result.dest), exchange, stats)
+    stats = dataclasses.replace(stats, calibration=cost_model)
+    feats = features(raw, totals, result.dest, is_real, g.world_size)
+    return Step(result.dest, plan_digest(result.dest), exchange, stats, feats)

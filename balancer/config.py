@@ -114,6 +114,16 @@ class BalancerConfig:
     then has ``batch_size == capacity`` (real samples first, then padding).
     Needs ``partition="balanced"`` and a globally normalised loss."""
 
+    online_calibration: bool = False
+    """Fit the cost model to the compute times every rank measures (CUDA events
+    on a GPU, a monotonic clock on the CPU) and partition with it once enough
+    measurements exist; the pipeline measures forward and backward itself.
+    See ``BatchShuffler(calibrate=True)``."""
+
+    calibration_keys: tuple[str, ...] | None = None
+    """The KJT keys whose lengths make up a sample's length in the fitted
+    model (the sequence the model attends over); ``None``: every key."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -124,6 +134,10 @@ class BalancerConfig:
         check_choice(me, "executor", self.executor, EXECUTORS)
         check_choice(me, "pipeline", self.pipeline, _PIPELINES)
         check_timeout(me, "shuffle_timeout_s", self.shuffle_timeout_s)
+        check_bool(me, "online_calibration", self.online_calibration)
+        keys = self.calibration_keys
+        if keys is not None and (not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"{me}: calibration_keys={keys!r}, expected None or a tuple of str")
         if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
                                           or self.capacity < 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")

@@ -51,6 +51,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -141,8 +142,17 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         # TorchRec variant calls it: both call ``self._model_fwd(batches[0])``.
         model_fwd: Callable[[Any], Any] = self._model_fwd  # type: ignore[has-type]
 
+        # Online calibration: the shuffler learns its cost model from the
+        # forward + backward time of every batch it balanced.
+        self._timed = isinstance(shuffler, BatchShuffler) and shuffler.calibrate
+        self._handles: dict[int, ShuffleHandle] = {}  # context index -> shuffle (timed only)
+        self._spans: list[tuple[Any, Any]] = []
+
         def forward_then_finish(batch: Any) -> Any:
+            start = self._mark()
             out = model_fwd(batch)
+            if self._timed:
+                self._spans = [(start, self._mark())]
             self._finish_shuffles()
             return out
 
@@ -168,7 +178,10 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         if not super().enqueue_batch(dataloader_iter):
             return False
         if self._started is not None:
-            self._pending.append(_PendingShuffle(self.contexts[-1].index, self.batches[-1], self._started))
+            index = self.contexts[-1].index
+            self._pending.append(_PendingShuffle(index, self.batches[-1], self._started))
+            if self._timed:
+                self._handles[index] = self._started
             self._started = None
         return True
 
@@ -191,14 +204,43 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             self._queued_batch(context, batch), context, pipelined_forward
         )
 
+    def _backward(self, losses: torch.Tensor) -> None:
+        start = self._mark()
+        super()._backward(losses)
+        if self._timed:
+            self._spans.append((start, self._mark()))
+
     def dequeue_batch(self) -> None:
         if self.contexts:
-            self.last_step_stats = self._stats.pop(self.contexts[0].index, None)
+            index = self.contexts[0].index
+            self.last_step_stats = self._stats.pop(index, None)
+            handle = self._handles.pop(index, None)
+            if handle is not None and self._spans and isinstance(self._shuffler, BatchShuffler):
+                self._report(self._shuffler, handle)
         super().dequeue_batch()
+
+    def _mark(self) -> Any:
+        """A point in time: a CUDA event on the current stream (read later,
+        once complete), or the monotonic clock on the CPU."""
+        if not self._timed:
+            return None
+        if self._device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _report(self, shuffler: BatchShuffler, handle: ShuffleHandle) -> None:
+        spans, self._spans = self._spans, []
+        if self._device.type == "cuda":
+            shuffler.record_compute(handle, events=spans)
+        else:
+            shuffler.record_compute(handle, sum(end - start for start, end in spans))
 
     def reset(self) -> None:
         self._finish_shuffles()
         self._stats.clear()
+        self._handles.clear()
         super().reset()
 
     def close(self) -> None:
@@ -374,6 +416,8 @@ def create_train_pipeline(
             executor=config.executor,
             timeout=config.shuffle_timeout_s,
             capacity=config.capacity,
+            calibrate=config.online_calibration,
+            calibration_keys=config.calibration_keys,
         )
     else:
         shuffler = IdentityBatchShuffler()

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from time import perf_counter
 from typing import Any, TypeVar
@@ -47,9 +47,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from balancer import _comm
+from balancer._calibrate import CostModel, OnlineFit
 from balancer._comm import ShuffleGroups
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors, host_tensors
+from balancer._header import H_MEAS_SEQ, H_MEAS_TIME
 from balancer._layout import WireLayout, fingerprint, section_tensor, wire_layout
 from balancer._plan import PartitionFn
 from balancer._protocol import (
@@ -332,6 +334,17 @@ class BatchShuffler(_ShufflerBase):
             ``batch_size == capacity`` (real samples first, then padding).
             Normalise the loss globally (:func:`balancer.global_mean_loss` or
             ``global_weighted_mean_loss`` per token).
+        calibrate: online calibration. Report each rank's measured compute
+            time with :meth:`record_compute`; every rank fits the same
+            per-sample model ``alpha * w + beta * L**2 + gamma * L + delta``
+            (``w``: ``workload_fn``'s cost, ``L``: the sample's total length)
+            to those times, and later partitions use it once 16 (rank, shuffle)
+            measurements exist (see :mod:`balancer._calibrate`). The model in
+            use is ``handle.stats.calibration``.
+        calibration_keys: the KJT keys whose lengths add up to a sample's
+            length ``L`` in the fit (the sequence the model attends over);
+            ``None``: every key of every KJT field. A ``TokenBatch`` uses
+            ``seq_lens``.
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -341,7 +354,8 @@ class BatchShuffler(_ShufflerBase):
                  comm: str = "all2all",
                  partition: PartitionFn = balanced_partition, locality: bool = True,
                  log_interval: int = 0, executor: str = "auto", timeout: float = 300.0,
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, calibrate: bool = False,
+                 calibration_keys: Sequence[str] | None = None) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         me = type(self).__name__
@@ -352,6 +366,7 @@ class BatchShuffler(_ShufflerBase):
         check_interval(me, "log_interval", log_interval)
         check_choice(me, "executor", executor, EXECUTORS)
         check_timeout(me, "timeout", timeout)
+        check_bool(me, "calibrate", calibrate)
         if capacity is not None:
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
                 raise ValueError(f"{me}: capacity={capacity!r}, expected None or an int >= batch_size")
@@ -369,8 +384,19 @@ class BatchShuffler(_ShufflerBase):
         self.comm, self.partition, self.locality, self.executor = comm, partition, locality, executor
         self.timeout = float(timeout)
         self.capacity = capacity
+        self.calibrate = calibrate
+        if calibration_keys is not None and (isinstance(calibration_keys, str) or not all(
+                isinstance(k, str) for k in calibration_keys)):
+            raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a sequence of str")
+        self.calibration_keys = None if calibration_keys is None else tuple(calibration_keys)
         self._config = {"comm": comm, "locality": str(locality), "partition": _identity(partition),
-                        "workload_fn": _identity(workload_fn), "capacity": str(capacity), "balancer": __version__}
+                        "workload_fn": _identity(workload_fn), "capacity": str(capacity),
+                        "calibrate": str(calibrate), "calibration_keys": str(calibration_keys),
+                        "balancer": __version__}
+        self._measured: tuple[int, float] = (-1, 0.0)  # the latest compute time to report
+        self._timing: tuple[int, list[tuple[Any, Any]]] | None = None  # CUDA events not yet complete
+        self._fits: dict[str, OnlineFit] = {}  # background thread only
+        self._models: dict[str, CostModel | None] = {}  # background thread only
         self._config_fp = fingerprint(self._config)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
@@ -390,6 +416,40 @@ class BatchShuffler(_ShufflerBase):
         group, w, _ = _comm.resolve_group(pg)
         if w > 1:
             self._groups_for(group)
+
+    def record_compute(self, handle: ShuffleHandle, seconds: float | None = None, *,
+                       events: Sequence[tuple[Any, Any]] = ()) -> None:
+        """Report how long this rank computed on ``handle``'s output (online calibration).
+
+        Give ``seconds`` (e.g. from a monotonic clock around forward and
+        backward), or ``events``: ``(start, end)`` pairs of CUDA events with
+        ``enable_timing=True`` recorded around the compute; their elapsed time
+        is read once the events have completed, never waiting for them. The
+        latest report travels with the next shuffle's metadata. A no-op
+        without ``calibrate``.
+
+        Raises:
+            ValueError: ``seconds`` not a finite number > 0, or ``handle`` not
+                finished by this shuffler.
+        """
+        if not self.calibrate:
+            return
+        if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token or not handle._state.finished:
+            raise ValueError(f"record_compute: {handle!r} is not a finished handle of this shuffler")
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+                raise ValueError(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
+            self._measured, self._timing = (handle.seq, float(seconds)), None
+        elif events:
+            self._timing = (handle.seq, list(events))
+
+    def _latest_measurement(self) -> tuple[int, float]:
+        if self._timing is not None:
+            seq, pairs = self._timing
+            if all(end.query() for _, end in pairs):  # never waits: read once complete
+                self._measured = (seq, sum(start.elapsed_time(end) for start, end in pairs) / 1e3)
+                self._timing = None
+        return self._measured
 
     # ------------------------------------------------------------- phases
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
@@ -412,6 +472,7 @@ class BatchShuffler(_ShufflerBase):
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
                            base_type=_BATCHES)
+            meta.measured = self._latest_measurement()
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
             else:
@@ -515,8 +576,10 @@ class BatchShuffler(_ShufflerBase):
             if self.capacity is not None and self.capacity < agreed.batch_size:
                 raise ValueError(f"BatchShuffler: capacity={self.capacity}, expected >= batch_size="
                                  f"{agreed.batch_size} (every rank's real samples must fit)")
+            fit = self._calibration(key, rows, meta.seq)
             kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
-                          comm=self.comm, locality=self.locality, capacity=self.capacity)
+                          comm=self.comm, locality=self.locality, capacity=self.capacity,
+                          cost_model=self._models.get(key), length_rows=self._length_rows(meta.layout))
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
@@ -524,10 +587,34 @@ class BatchShuffler(_ShufflerBase):
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
             self._prev[key] = (meta.seq, step.digest)
+            if fit is not None:
+                fit.record(meta.seq, step.features)
             ex = step.exchange
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(step.stats, background_s=perf_counter() - t0)
             return _Outcome(ex, blob, meta.layout, stats, step.dest)
+
+    def _calibration(self, key: str, rows: np.ndarray, seq: int) -> OnlineFit | None:
+        """Add the gathered measurements to the fit; refit every few shuffles
+        (at the same shuffles on every rank, from the same data)."""
+        if not self.calibrate:
+            return None
+        fit = self._fits.setdefault(key, OnlineFit())
+        fit.observe(rows[:, H_MEAS_SEQ].astype(np.int64), rows[:, H_MEAS_TIME].copy().view(np.float64))
+        if seq % 4 == 0 or self._models.get(key) is None:
+            self._models[key] = fit.fit()
+        return fit
+
+    def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
+        """Rows of the lengths matrix that make up L for calibration (None: all)."""
+        if self.calibration_keys is None or layout.is_tokens:
+            return None
+        rows = {key: k.row + i for k in layout.kjts for i, key in enumerate(k.keys)}
+        missing = [key for key in self.calibration_keys if key not in rows]
+        if missing:
+            raise ValueError(f"BatchShuffler: calibration_keys {missing} are not keys of the batch's KJT fields "
+                             f"(keys: {sorted(rows)})")
+        return tuple(rows[key] for key in self.calibration_keys)
 
     def _planned(self, kwargs: dict[str, Any]) -> Step:
         """The step from the planner process; if it died (killed, out of memory),

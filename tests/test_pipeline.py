@@ -72,6 +72,7 @@ MODES = {
     "prefetch_on": ("prefetch", "all2all"),
     "loop_off": ("loop", None),
     "loop_on": ("loop", "all2all"),
+    "on_calibrated": ("pipeline", "calibrated"),
 }
 ARGS = ["--batch-size", "16", "--max-seqlen", "48", "--dim", "16", "--num-layers", "1", "--lr", "0.05"]
 
@@ -110,9 +111,14 @@ def _train(
     model, optimizer = build_model(args, device, pg)
     data = SyntheticHSTUData(rank=rank, batch_size=16, num_batches=STEPS, max_seqlen=48, seed=3)
     runner, comm = MODES[mode]
-    shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), comm=comm) if comm else None
+    shuffler = None
+    if comm == "calibrated":  # online calibration from the forward + backward times the pipeline measures
+        shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), calibrate=True, calibration_keys=[ITEM_FEATURE])
+    elif comm:
+        shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), comm=comm)
     losses: list[float] = []
     imbalance: list[tuple[float, float, float]] = []  # (before, after, moved fraction)
+    calibrated: list[bool] = []
     model.train()
     if runner == "loop":
         for batch in data:
@@ -149,11 +155,12 @@ def _train(
             stats = getattr(pipe, "last_step_stats", None)
             if shuffler is not None:
                 imbalance.append((stats.imbalance_before, stats.imbalance_after, stats.moved_fraction))
+                calibrated.append(stats.calibration is not None)
         if hasattr(pipe, "close"):
             pipe.close()
     if shuffler is not None:
         shuffler.close()
-    return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance}
+    return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance, "calibrated": calibrated}
 
 
 def _batch_id(batch: Any) -> int:
@@ -202,6 +209,10 @@ def test_balanced_pipeline_matches_torchrec_loop_and_unbalanced() -> None:
         _assert_equal(res["on_allgather"], res["loop_on"])
         # ... and like no balancing up to float32 summation order.
         loss_rel, param_abs = _assert_close(res["on"], res["off"])
+        # With online calibration (the pipeline times each batch's forward and
+        # backward), the fitted model takes over and training is unchanged.
+        _assert_close(res["on_calibrated"], res["off"])
+        assert res["on_calibrated"]["calibrated"][-1] and not res["on_calibrated"]["calibrated"][0]
         # Balancing happened: every step has stats, samples moved, balance improved.
         before, after, moved = np.array(res["on"]["imbalance"]).T
         assert len(before) == STEPS and moved.sum() > 0, res["on"]["imbalance"]

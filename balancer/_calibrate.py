@@ -1,0 +1,160 @@
+"""Online calibration: fit the cost model to the compute times ranks measure (numpy only).
+
+A cost model is a guess; every rank knows, step after step, how long its own
+compute took. Each rank reports that time with a later phase-1 message; the
+planner records, for every shuffle, what each rank received:
+
+    F[r] = sum over rank r's real samples of  [w, L**2, L, 1]
+
+where ``w`` is ``workload_fn``'s cost and ``L`` the sample's total length (every
+KJT key, or ``seq_lens``). :class:`OnlineFit` fits
+
+    time[r] = c0 + alpha * sum(w) + beta * sum(L**2) + gamma * sum(L) + delta * n
+
+by non-negative least squares on relative residuals over a window of recent
+(rank, shuffle) observations, twice, dropping observations whose relative
+residual exceeds 3 robust standard deviations (a rank that was preempted, a
+step with a checkpoint). Directions the data cannot tell apart -- a
+per-sample constant when every rank has the same count, ``alpha`` and
+``gamma`` when ``workload_fn`` is the length -- may be split either way; they
+change no partition. The
+per-sample model ``alpha w + beta L**2 + gamma L + delta`` then replaces
+``workload_fn``'s cost in later partitions; ``c0`` (per-step overhead) does not
+depend on placement and is not used. With an exact ``workload_fn`` the fit
+keeps ``alpha``; with a wrong one the length terms take over.
+
+Every rank has the same observations (the features come from the gathered
+data, the times from the gathered headers) and runs the same arithmetic, so
+every rank gets the same model: the partitions stay identical.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+__all__ = ["CostModel", "OnlineFit", "features", "nnls_small"]
+
+FEATURES = ("w", "L^2", "L", "1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Per-sample seconds ``alpha * w + beta * L**2 + gamma * L + delta`` (plus ``c0`` per step).
+
+    Attributes:
+        alpha, beta, gamma, delta: coefficients (>= 0).
+        c0: per-step constant (seconds), not used for balancing.
+        observations: (rank, shuffle) pairs the fit used (after outlier rejection).
+        rel_error: median relative residual of the fit over those observations.
+    """
+
+    alpha: float
+    beta: float
+    gamma: float
+    delta: float
+    c0: float
+    observations: int
+    rel_error: float
+
+    def costs(self, w: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per-sample costs (seconds) for workloads ``w`` and total lengths ``lengths``."""
+        x = lengths.astype(np.float64)
+        return self.alpha * w + (self.beta * x + self.gamma) * x + self.delta
+
+
+def features(workloads: np.ndarray, lengths: np.ndarray, dest: np.ndarray, real: np.ndarray,
+             world_size: int) -> np.ndarray:
+    """[W, 4] per-rank sums of ``[w, L**2, L, 1]`` over the real samples it receives.
+
+    Args:
+        workloads: [W * B] workload_fn costs (0 for padding).
+        lengths: [W * B] total length per sample.
+        dest: [W * B] destination rank.
+        real: [W * B] bool, real samples.
+    """
+    x = lengths.astype(np.float64)
+    cols = np.stack([workloads, x * x, x, np.ones_like(x)], axis=1)[real]
+    out = np.zeros((world_size, len(FEATURES)))
+    np.add.at(out, dest[real], cols)
+    return out
+
+
+def nnls_small(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a few columns: the best unconstrained
+    fit among all supports whose coefficients are all >= 0 (deterministic)."""
+    n = a.shape[1]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = a / norms
+    best, best_res = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sol = np.linalg.lstsq(scaled[:, cols], y, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            res = float(np.sum((scaled[:, cols] @ sol - y) ** 2))
+            if res < best_res:
+                best, best_res = np.zeros(n), res
+                best[list(cols)] = sol
+    return best / norms
+
+
+class OnlineFit:
+    """Observations of one shuffler on one group, and the fit over them.
+
+    ``record(seq, feats)`` keeps each shuffle's per-rank features (for up to
+    ``history`` shuffles back); ``observe(seq_by_rank, seconds_by_rank)`` pairs
+    the times ranks reported with those features; ``fit()`` returns the
+    current :class:`CostModel`, or ``None`` until ``min_observations`` pairs.
+    """
+
+    def __init__(self, window: int = 256, history: int = 16, min_observations: int = 16) -> None:
+        self._features: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._rows: collections.deque[np.ndarray] = collections.deque(maxlen=window)
+        self._times: collections.deque[float] = collections.deque(maxlen=window)
+        self._seen: set[tuple[int, int]] = set()
+        self.history, self.min_observations = history, min_observations
+
+    def record(self, seq: int, feats: np.ndarray) -> None:
+        self._features[seq] = feats
+        while len(self._features) > self.history:
+            old, _ = self._features.popitem(last=False)
+            self._seen = {k for k in self._seen if k[1] != old}
+
+    def observe(self, seqs: np.ndarray, seconds: np.ndarray) -> None:
+        """Rank r measured ``seconds[r]`` for its output of shuffle ``seqs[r]`` (-1: nothing new)."""
+        for r, (seq, t) in enumerate(zip(seqs.tolist(), seconds.tolist(), strict=True)):
+            if seq < 0 or (r, seq) in self._seen or seq not in self._features or not np.isfinite(t) or t <= 0:
+                continue
+            self._seen.add((r, seq))
+            self._rows.append(self._features[seq][r])
+            self._times.append(t)
+
+    def fit(self) -> CostModel | None:
+        if len(self._times) < self.min_observations:
+            return None
+        feats = np.array(self._rows)
+        y = np.array(self._times)
+        # Relative residuals: timing noise grows with the time, and a fit in
+        # absolute terms would be decided by the slowest ranks alone.
+        a = np.concatenate([np.ones((feats.shape[0], 1)), feats], axis=1) / y[:, None]  # c0, then the features
+        ones = np.ones(y.size)
+        keep = np.ones(y.size, bool)
+        for _ in range(2):
+            coef = nnls_small(a[keep], ones[keep])
+            res = a @ coef - 1.0
+            mad = float(np.median(np.abs(res[keep] - np.median(res[keep]))))
+            keep = np.abs(res - np.median(res[keep])) <= 3 * max(1.4826 * mad, 1e-9)
+            if keep.sum() < self.min_observations // 2:
+                keep = np.ones(y.size, bool)
+                break
+        coef = nnls_small(a[keep], ones[keep])
+        rel = float(np.median(np.abs(a[keep] @ coef - 1.0)))
+        c0, alpha, beta, gamma, delta = (float(c) for c in coef)
+        if alpha + beta + gamma + delta <= 0:  # nothing per sample: keep the workload_fn
+            return None
+        return CostModel(alpha, beta, gamma, delta, c0, int(keep.sum()), rel)

@@ -1,0 +1,147 @@
+"""Online calibration: the fit, and a shuffler that learns the cost model from measured times."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from balancer._calibrate import OnlineFit, features, nnls_small
+from balancer.shuffler import BatchShuffler
+from balancer.testing import run_workers
+from tests.test_shuffler import make_batch, token_count
+
+
+def test_nnls_small_is_exact_and_non_negative() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 4))
+    assert np.allclose(nnls_small(a, a @ np.array([1.0, 0.0, 2.0, 0.5])), [1.0, 0.0, 2.0, 0.5])
+    coef = nnls_small(a, a @ np.array([1.0, -3.0, 2.0, 0.0]))
+    assert (coef >= 0).all()
+    # brute force over a grid agrees that no non-negative fit is better
+    res = lambda c: float(np.sum((a @ c - a @ np.array([1.0, -3.0, 2.0, 0.0])) ** 2))  # noqa: E731
+    assert all(res(coef) <= res(np.maximum(coef + d, 0)) + 1e-9 for d in rng.normal(0, 0.1, (200, 4)))
+
+
+def _observations(rng: np.random.Generator, steps: int, w: int, fit: OnlineFit, truth: np.ndarray,
+                  outliers: float = 0.0, equal_counts: bool = False, w_is_length: bool = False) -> None:
+    for seq in range(steps):
+        lengths = rng.zipf(1.3, w * 16).clip(1, 2048)
+        dest = rng.permutation(np.repeat(np.arange(w), 16)) if equal_counts else rng.integers(0, w, w * 16)
+        workloads = lengths.astype(float) if w_is_length else np.zeros(lengths.size)
+        feats = features(workloads, lengths, dest, np.ones(lengths.size, bool), w)
+        fit.record(seq, feats)
+        times = 0.01 + feats @ truth
+        times *= 1 + rng.normal(0, 0.02, w)
+        times[rng.random(w) < outliers] *= 3  # a preempted rank
+        fit.observe(np.full(w, seq), times)
+
+
+TRUTH = np.array([0.0, 2e-7, 3e-5, 1e-4])  # per sample: beta L^2 + gamma L + delta
+
+
+def test_online_fit_recovers_the_model_despite_noise_and_outliers() -> None:
+    fit = OnlineFit(min_observations=16)
+    rng = np.random.default_rng(1)
+    _observations(rng, 1, 8, fit, TRUTH)
+    assert fit.fit() is None  # 8 observations: not enough yet
+    _observations(rng, 40, 8, fit, TRUTH, outliers=0.1)
+    model = fit.fit()
+    assert model is not None and model.rel_error < 0.05
+    # an uninformative workload_fn: the length terms carry the model (the
+    # constants are ~1 % of a step here, at the noise level, and change no
+    # partition of equal counts)
+    np.testing.assert_allclose([model.beta, model.gamma], TRUTH[1:3], rtol=0.1)
+    assert 200 < model.observations < 250  # the ~10 % outliers were dropped, little else
+    # deterministic: the same observations give the same model, bit for bit
+    again = OnlineFit(min_observations=16)
+    rng = np.random.default_rng(1)
+    _observations(rng, 1, 8, again, TRUTH)
+    _observations(rng, 40, 8, again, TRUTH, outliers=0.1)
+    assert again.fit() == model
+
+
+def test_unidentified_directions_do_not_change_what_balancing_sees() -> None:
+    """With equal counts a per-sample constant is a per-step one, and with
+    workload_fn = L its coefficient and gamma trade off: the fit may split them
+    either way, but the cost differences between samples -- all that an
+    equal-count partition depends on -- are the true ones."""
+    fit = OnlineFit(min_observations=16)
+    _observations(np.random.default_rng(2), 40, 8, fit, TRUTH, equal_counts=True, w_is_length=True)
+    model = fit.fit()
+    assert model is not None
+    lengths = np.array([1, 16, 256, 2048])
+    got = model.costs(lengths.astype(float), lengths)
+    want = (TRUTH[1] * lengths + TRUTH[2]) * lengths + TRUTH[3]
+    np.testing.assert_allclose(got - got[0], want - want[0], rtol=0.1)
+
+
+def _true_seconds(batch: Any) -> float:
+    """The compute time a rank 'measures': quadratic in the length (token_count is linear)."""
+    lens = token_count(batch)[: batch.actual_batch_size].double()
+    return float((lens**2 * 1e-4 + 1e-3).sum()) + 0.01
+
+
+def _calibration_worker(rank: int, w: int) -> dict[str, Any]:
+    true_cost = lambda b: token_count(b).double() ** 2 + 10  # noqa: E731 - the oracle knows the model
+    shufflers = {"wrong": BatchShuffler(token_count),
+                 "calibrated": BatchShuffler(token_count, calibrate=True, calibration_keys=["a", "b", "c"]),
+                 "oracle": BatchShuffler(true_cost)}
+    stragglers: dict[str, list[float]] = {k: [] for k in shufflers}
+    models = []
+    for step in range(40):
+        batch = make_batch(rank, 16, 16, seed=200 + step, zero_frac=0.0)
+        for name, s in shufflers.items():
+            h = s.start_shuffle_async(batch)
+            out = s.finish_shuffle(batch, h)
+            t = torch.tensor([_true_seconds(out)])
+            everyone = [torch.zeros(1) for _ in range(w)]
+            torch.distributed.all_gather(everyone, t)
+            times = [float(x) for x in everyone]
+            stragglers[name].append(max(times) / statistics.mean(times))
+            s.record_compute(h, _true_seconds(out))
+            if name == "calibrated":
+                models.append(h.stats.calibration)
+    return {"stragglers": stragglers, "models": models}
+
+
+def test_shuffler_learns_the_cost_model_from_measured_times() -> None:
+    outs = run_workers(_calibration_worker, 3, timeout=300)
+    models = outs[0]["models"]
+    first = next(i for i, m in enumerate(models) if m is not None)
+    assert first <= 12, first  # in use after a few steps of 3 ranks
+    assert all(o["models"] == models for o in outs)  # the same model on every rank
+    last = models[-1]
+    assert last is not None and last.beta > 0 and last.rel_error < 0.05, last
+    late = slice(25, 40)
+    s = outs[0]["stragglers"]
+    wrong, calibrated, oracle = (statistics.mean(s[k][late]) for k in ("wrong", "calibrated", "oracle"))
+    assert calibrated <= oracle + 0.01 and calibrated < wrong - 0.01, (wrong, calibrated, oracle)
+
+
+def test_calibration_keys_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"calibration_keys='a', expected None or a sequence of str"):
+        BatchShuffler(token_count, calibrate=True, calibration_keys="a")
+    s = BatchShuffler(token_count, calibrate=True, calibration_keys=["a", "nope"])
+    from balancer._layout import wire_layout
+
+    with pytest.raises(ValueError, match=r"calibration_keys \['nope'\] are not keys .*\['a', 'b', 'c', 'e', 'y'\]"):
+        s._length_rows(wire_layout(make_batch(0, 4, 4, seed=0)))
+
+
+def test_record_compute_checks_its_input() -> None:
+    s = BatchShuffler(token_count, calibrate=True)
+    batch = make_batch(0, 4, 4, seed=0)
+    h = s.start_shuffle_async(batch)
+    with pytest.raises(ValueError, match="not a finished handle of this shuffler"):
+        s.record_compute(h, 1.0)
+    s.finish_shuffle(batch, h)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=r"seconds=.*, expected a finite number > 0"):
+            s.record_compute(h, bad)  # type: ignore[arg-type]
+    s.record_compute(h, 0.5)
+    assert s._measured == (h.seq, 0.5)
+    BatchShuffler(token_count).record_compute(h, 1.0)  # without calibrate: ignored
