@@ -58,7 +58,7 @@ from balancer import BaseBatch  # noqa: E402
 from balancer.partition import balanced_partition  # noqa: E402
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler  # noqa: E402
 from balancer.testing import run_workers  # noqa: E402
-from balancer.workloads import Calibration, PolynomialCost, fit_polynomial  # noqa: E402
+from balancer.workloads import Calibration, PolynomialCost, TokenCount, fit_polynomial  # noqa: E402
 
 VOCAB = 2048
 
@@ -156,6 +156,62 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for s in shufflers.values():
         s.close()
     return out
+
+
+def _calibration_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """Per step, this rank's compute time under three cost models, same batches:
+    token count (wrong for attention), token count + online calibration, and the
+    offline-calibrated polynomial (correct)."""
+    os.sched_setaffinity(0, {rank % os.cpu_count()})  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = AttentionLayer(VOCAB)
+    tokens = TokenCount(["seq"])
+    shufflers = {"wrong": BatchShuffler(tokens), "calibrated": BatchShuffler(tokens, calibrate=True),
+                 "correct": BatchShuffler(PolynomialCost(["seq"], a=cfg["cost_a"], b=cfg["cost_b"], c=cfg["cost_c"]))}
+    b, out = cfg["batch_size"], {mode: [] for mode in shufflers}
+    out["fitted_step"] = []
+    for step in range(cfg["steps"]):
+        batch = make_batch(cfg["seed"], step, rank, world, b, cfg["dist"], cfg["max_len"])
+        for mode, s in shufflers.items():
+            h = s.start_shuffle_async(batch)
+            mine = s.finish_shuffle(batch, h)
+            c0 = time.thread_time()
+            compute(model, mine, world * b)
+            seconds = time.thread_time() - c0
+            for p in model.parameters():
+                p.grad = None
+            s.record_compute(h, seconds)
+            out[mode].append(seconds)
+            if mode == "calibrated" and h.stats.calibration is not None and not out["fitted_step"]:
+                out["fitted_step"].append(step)
+    for s in shufflers.values():
+        s.close()
+    return out
+
+
+def calibration_demo(a: Any, fit: Calibration, f: Any, env: dict[str, Any]) -> None:
+    """Online calibration from a wrong cost model, against the correct one (section of the report)."""
+    world, b = a.world_sizes[0], a.batch_sizes[-1]
+    cfg = {"world": world, "dist": a.dists[0], "batch_size": b, "max_len": a.max_len, "seed": a.seed,
+           "steps": a.calibration_steps, "cost_a": fit.a, "cost_b": fit.b, "cost_c": fit.c}
+    per_rank = run_workers(_calibration_worker, world, cfg, timeout=3600)
+    strag = {m: [max(r[m][i] for r in per_rank) / statistics.mean(r[m][i] for r in per_rank)
+                 for i in range(cfg["steps"])] for m in ("wrong", "calibrated", "correct")}
+    fitted = per_rank[0]["fitted_step"][0] if per_rank[0]["fitted_step"] else None
+    print(f"\nonline calibration (W={world}, {cfg['dist']}, B={b}): measured compute max/mean per step "
+          f"(the fitted model is in use from step {fitted})")
+    print(f"{'steps':>9} | {'wrong':>7} {'calibrated':>10} {'correct':>7}")
+    window = 5
+    for lo in range(0, cfg["steps"], window):
+        hi = min(lo + window, cfg["steps"])
+        row = {m: statistics.mean(v[lo:hi]) for m, v in strag.items()}
+        print(f"{lo:>4}-{hi - 1:<4} | {row['wrong']:>7.3f} {row['calibrated']:>10.3f} {row['correct']:>7.3f}")
+    late = slice(cfg["steps"] // 2, cfg["steps"])
+    summary = {m: statistics.mean(v[late]) for m, v in strag.items()}
+    print(f"second half: wrong {summary['wrong']:.3f}, calibrated {summary['calibrated']:.3f}, "
+          f"correct {summary['correct']:.3f}")
+    f.write(json.dumps({"bench": "e2e_calibration", **env, **cfg, "fitted_step": fitted,
+                        "straggler": strag, "second_half": summary}) + "\n")
 
 
 def summarize(cfg: dict[str, Any], per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -283,11 +339,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skew-sweep", action="store_true", help="projected speedup vs zipf alpha")
     p.add_argument("--json-out", default="bench_out/e2e.jsonl")
     p.add_argument("--plot-dir", default="", help="write PNG plots here (needs matplotlib)")
+    p.add_argument("--calibration", action="store_true",
+                   help="online calibration demo instead: token count + calibration vs the correct model "
+                        "(first --world-sizes, first --dists, last --batch-sizes)")
+    p.add_argument("--calibration-steps", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     a = p.parse_args(argv)
     if a.quick:
         a.world_sizes, a.dists, a.batch_sizes = [2], ["zipf"], [8]
         a.max_len, a.steps, a.reps, a.project = 1024, 3, 1, [64]
+        a.calibration_steps = min(a.calibration_steps, 12)
 
     env = environment()
     lengths, times, fit = calibrate(a.max_len)
@@ -295,6 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{fit.b / fit.scale * 1e9:.3g} ns*L + {fit.c / fit.scale * 1e6:.3g} us  (R^2={fit.r2:.4f})")
     out_path = Path(a.json_out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if a.calibration:
+        with out_path.open("a") as f:
+            calibration_demo(a, fit, f, env)
+        print(f"wrote {out_path}")
+        return 0
     rows: list[dict[str, Any]] = []
     hdr = (f"{'W':>3} {'dist':>9} {'B':>4} | {'off ms':>8} {'on ms':>8} {'speedup':>7} {'ideal':>6} | "
            f"{'strag off':>9} {'strag on':>8} | {'ph1 ms':>6} {'bg ms':>6} {'part ms':>7} {'wait ms':>7} "
