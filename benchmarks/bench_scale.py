@@ -1,0 +1,114 @@
+"""Phase 1 at scale: bytes each rank gathers per step against W, and what balancing
+within groups of ranks gives up.
+
+Part 1 (bytes). Every rank all-gathers one message per rank per step:
+``8 * (18 + B + ceil(K * B / 2))`` bytes (header, float64 costs, int32 lengths
+of K keys). The table gives the bytes one rank receives per step for W up to
+8192; the formula is checked against the message a real capture produces.
+
+Part 2 (grouping). A hierarchical scheme gathers only within groups of G ranks
+(bytes and the partition's input shrink by W / G). Simulated on the same
+Zipf(1.2) <= 4096 batches (cost L**2 + 256 L): the straggler (max/mean rank
+load) with no balancing, global balancing, static groups (consecutive ranks;
+what ``BatchShuffler(pg=subgroup)`` does today), and groups re-formed every
+step by dealing ranks sorted by load round-robin (heavy and light ranks share
+a group).
+
+Run: ``.venv/bin/python benchmarks/bench_scale.py`` (~5 min; ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _e2e_common import sample_lengths  # noqa: E402
+
+from balancer._header import HEADER_LEN  # noqa: E402
+from balancer._protocol import capture, message  # noqa: E402
+from balancer.batch import BaseBatch  # noqa: E402
+from balancer.partition import balanced_partition  # noqa: E402
+
+
+def message_bytes(b: int, k: int) -> int:
+    return 8 * (HEADER_LEN + b + (k * b + 1) // 2)
+
+
+def _check_formula() -> None:
+    from tests.test_shuffler import make_batch, token_count
+
+    batch = make_batch(0, 32, 32, seed=0)
+    meta = capture(batch, token_count, seq=0, rank=0, config=0, base_type=BaseBatch)
+    msg, _ = message(meta, meta.agreement(), (-1, 0))
+    assert msg.nbytes == message_bytes(32, meta.num_lengths), (msg.nbytes, meta.num_lengths)
+
+
+def _straggler(loads: np.ndarray) -> float:
+    return float(loads.max() / loads.mean())
+
+
+def _balanced_loads(cost: np.ndarray, parts_of: int) -> np.ndarray:
+    q = np.rint(cost / cost.max() * 2**26).astype(np.int64)
+    return np.array([cost[p].sum() for p in balanced_partition(q, parts_of)])
+
+
+def grouping(w: int, b: int, g: int, steps: int, rng: np.random.Generator, with_global: bool) -> dict[str, float]:
+    res: dict[str, list[float]] = {"none": [], "global": [], "static": [], "mixed": []}
+    for _ in range(steps):
+        lengths = sample_lengths("zipf", w * b, 4096, rng).astype(np.float64)
+        cost = (lengths**2 + 256 * lengths).reshape(w, b)
+        loads = cost.sum(1)
+        res["none"].append(_straggler(loads))
+        if with_global:
+            res["global"].append(_straggler(_balanced_loads(cost.reshape(-1), w)))
+        by_load = np.argsort(-loads, kind="stable")
+        orders = {"static": np.arange(w), "mixed": np.concatenate([by_load[i :: w // g] for i in range(w // g)])}
+        for name, order in orders.items():
+            out = [_balanced_loads(cost[order[i * g : (i + 1) * g]].reshape(-1), g) for i in range(w // g)]
+            res[name].append(_straggler(np.concatenate(out)))
+    return {k: float(np.mean(v)) for k, v in res.items() if v}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json-out", default="bench_out/scale.jsonl")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    _check_formula()
+    out = Path(a.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        print("bytes one rank gathers in phase 1 per step (K = 3 keys)")
+        print(f"{'W':>6} | " + " ".join(f"{'B=' + str(b):>10}" for b in (32, 128, 512)))
+        for w in (8, 64, 256, 1024, 4096, 8192):
+            row = [w * message_bytes(b, 3) for b in (32, 128, 512)]
+            print(f"{w:>6} | " + " ".join(f"{x / 2**20:>8.2f}MB" for x in row))
+            f.write(json.dumps({"bench": "scale_bytes", "world": w, "bytes": dict(zip((32, 128, 512), row,
+                                                                                    strict=True))}) + "\n")
+        configs = [(1024, 32, 64), (1024, 128, 64), (1024, 128, 256)] if a.quick else [
+            (1024, 32, 16), (1024, 32, 64), (1024, 128, 16), (1024, 128, 64), (1024, 128, 256),
+            (256, 512, 16), (256, 512, 64), (4096, 32, 64)]
+        print("\nstraggler (max/mean rank load), Zipf(1.2) <= 4096, cost L^2 + 256 L, mean of 2 steps")
+        print(f"{'W':>5} {'B':>4} {'G':>4} | {'none':>6} {'global':>7} {'static':>7} {'mixed':>7} | {'s':>5}")
+        rng = np.random.default_rng(0)
+        for w, b, g in configs:
+            t0 = time.perf_counter()
+            r = grouping(w, b, g, 1 if a.quick else 2, rng, with_global=w * b <= 131072)
+            glob = f"{r['global']:>7.4f}" if "global" in r else f"{'-':>7}"
+            print(f"{w:>5} {b:>4} {g:>4} | {r['none']:>6.3f} {glob} {r['static']:>7.4f} {r['mixed']:>7.4f} | "
+                  f"{time.perf_counter() - t0:>5.1f}", flush=True)
+            f.write(json.dumps({"bench": "scale_grouping", "world": w, "batch_size": b, "group": g, **r}) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
