@@ -422,36 +422,19 @@ def _produce(run: _Run, source: Iterator[Any], skip: int, shuffler: BatchShuffle
              template: _Template, group: Any, world: int, signal: Any, pin: bool) -> None:
     """The producer thread: one shuffled batch per credit, in step with every rank."""
     try:
-        exhausted = False
-        for _ in range(skip):  # fast-forward (resume): one draw per consumed step
-            batch = next(source, _DONE)
-            if batch is _DONE:
-                exhausted = True
+        exhausted, failure = False, None
+        for step in range(skip):  # fast-forward (resume): one draw per consumed step
+            _, exhausted, failure = _take(source, template, exhausted, step)
+            if exhausted or failure is not None:
                 break
-            _fit(batch, template)
         step = skip
         while run.take():
-            failure: BaseException | None = None
-            if not exhausted:
-                try:
-                    batch = next(source)
-                except StopIteration:
-                    exhausted = True
-                except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
-                    failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__}: {e} at step {step}")
-                    failure.__cause__ = e
+            if failure is None:
+                batch, exhausted, failure = _take(source, template, exhausted, step)
             if world == 1 and exhausted:
                 break
-            if exhausted and failure is None:
-                if template.padding is None:
-                    failure = WrappedLoaderError(
-                        f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to "
-                        "take part with; every rank's loader must yield at least one batch in a pass")
-                else:
-                    batch = _padding_like(template.padding)
-            if failure is not None:
+            if failure is not None:  # every rank raises it (this one too)
                 _report(shuffler, workloads, _carrier(template), failure, group)
-            batch = _fit(batch, template)
             handle = shuffler.start_shuffle_async(batch, group)
             out = shuffler.finish_shuffle(batch, handle, group)
             if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
@@ -462,6 +445,26 @@ def _produce(run: _Run, source: Iterator[Any], skip: int, shuffler: BatchShuffle
         run.items.put(_Failed(e))
     finally:
         run.items.put(_DONE)
+
+
+def _take(source: Iterator[Any], template: _Template, exhausted: bool,
+          step: int) -> tuple[Any, bool, BaseException | None]:
+    """This rank's input of ``step``: ``(batch, exhausted, failure)``; never raises
+    (a failure is reported through the shuffle, so that every rank raises it)."""
+    if not exhausted:
+        try:
+            return _fit(next(source), template), False, None
+        except StopIteration:
+            exhausted = True
+        except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
+            failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
+            failure.__cause__ = e
+            return None, False, failure
+    if template.padding is None:
+        return None, True, WrappedLoaderError(
+            f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to take "
+            "part with; every rank's loader must yield at least one batch in a pass")
+    return _padding_like(template.padding), True, None
 
 
 def _report(shuffler: BatchShuffler, workloads: _Workloads, carrier: BaseBatch, failure: BaseException,

@@ -25,6 +25,9 @@ from balancer.testing import HostReadRecorder, run_workers
 from tests.test_shuffler import rows
 
 B = 4
+# The partition in the shuffler's thread: the same partition as in the default
+# child process (tests/test_shuffler.py), without a process start per loader.
+FAST: dict[str, Any] = {"executor": "thread"}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -139,7 +142,7 @@ def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
     # Epoch 1 of rank 1 is one incomplete batch: a fresh loader needs batch_size.
     src.set_epoch(1)
     for ahead in (0, 1, 2):
-        with BalancedLoader(src, cost, ahead=ahead, batch_size=B) as loader:
+        with BalancedLoader(src, cost, ahead=ahead, batch_size=B, **FAST) as loader:
             loader.set_epoch(1)
             out["ahead"][ahead] = [rows(b) for b in loader]
     return out
@@ -180,11 +183,11 @@ def _resume_worker(rank: int, w: int) -> dict[str, Any]:
     with BalancedLoader(src, cost, ahead=2) as loader:
         full = run(loader, range(2))
     cases = {}
-    for k in range(len(full) + 1):
-        with BalancedLoader(src, cost, ahead=1 + k % 2) as first:
+    for k in (0, 1, 3, 4, len(full)):  # start, mid-epoch, the epoch's end, the next epoch, the end
+        with BalancedLoader(src, cost, ahead=1 + k % 2, **FAST) as first:
             head = run(first, range(2), limit=k)
             state = first.state_dict()
-        with BalancedLoader(src, cost, ahead=2 - k % 2) as second:
+        with BalancedLoader(src, cost, ahead=2 - k % 2, **FAST) as second:
             second.load_state_dict(state)
             tail = run(second, range(state["epoch"], 2))
         cases[k] = (head + tail == full, state)
@@ -239,9 +242,9 @@ def _error_worker(rank: int, w: int) -> dict[str, Any]:
     }
     out = {}
     for name, source in cases.items():
-        with BalancedLoader(source, cost, timeout=30.0) as loader:
+        with BalancedLoader(source, cost, timeout=30.0, **FAST) as loader:
             out[name] = _outcome(loader)
-    with BalancedLoader(src, cost) as loader:
+    with BalancedLoader(src, cost, **FAST) as loader:
         out["after"] = _outcome(loader)
     return out
 
@@ -250,7 +253,7 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
     w = 3
     outs = run_workers(_error_worker, w, timeout=120)
     expect = {
-        "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError: "
+        "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError at step 1: "
                          "'sample file",
         "no_weights": "'features.weights dtype': ranks [0, 1]: 'torch.float64'; rank 2: 'absent'",
         "batch_size": "'batch_size': ranks [0, 1]: '4'; rank 2: '5'",
@@ -297,14 +300,14 @@ def _threads_worker(rank: int, w: int) -> dict[str, Any]:
     except RuntimeError as e:
         out["iter_closed"] = str(e)
     # Dropped mid-epoch without close(): garbage collection stops the thread.
-    loader = BalancedLoader(src, cost, ahead=2)
+    loader = BalancedLoader(src, cost, ahead=2, **FAST)
     it = iter(loader)
     next(it)
     del it, loader
     gc.collect()
     out["after_gc"] = _wait_for_no_loader_thread()
     # A new pass after a break restarts the epoch.
-    with BalancedLoader(src, cost, ahead=1) as loader:
+    with BalancedLoader(src, cost, ahead=1, **FAST) as loader:
         first = [check_batch(b) for _, b in zip(range(2), loader, strict=False)]
         again = [check_batch(b) for b in loader]
         out["restart"] = first == again[:2] and len(again) == 6
@@ -324,10 +327,11 @@ def test_close_and_gc_stop_the_thread_and_next_reads_no_tensor() -> None:
 # ----------------------------------------------------- single process
 def test_single_process_pads_the_last_batch_and_surfaces_loader_errors() -> None:
     src = Source(0, [3], fail_at=None)
-    with BalancedLoader(src, cost, ahead=0) as loader:
+    with BalancedLoader(src, cost, ahead=0, pin_memory=True) as loader:  # pins only with CUDA
         got = [check_batch(b) for b in loader]
         assert [len(g) for g in got] == [B, B, B - 1]
         assert loader.stats is not None and loader.stats.world_size == 1
+        assert loader.batch_size == B
     failing = Source(0, [3], fail_at=2)
     loader = BalancedLoader(failing, cost, ahead=2)
     it = iter(loader)
