@@ -14,9 +14,9 @@
 Each balanced mode runs side by side with its unbalanced baseline: two copies
 of the model from the same initial weights train on the same batches, step by
 step, in alternating order (so noise on a shared machine hits both alike;
-``--no-baseline`` skips the baseline). Rank 0 prints one line per step and
-mode, one ``summary:`` line per mode and, last, the step-time speedup with the
-imbalance before/after. The imbalance is max/mean of the per-rank cost
+``--no-baseline`` skips the baseline). Rank 0 prints a line every
+``--log-every`` steps of each mode, one ``summary:`` line per mode and, last,
+the step-time speedup with the imbalance before/after. The imbalance is max/mean of the per-rank cost
 (``--workload``) of the batches as drawn and as trained; "measured compute" is
 max/mean of each rank's compute (CPU time of its training thread, which leaves
 out the waits inside collectives). Where ranks share cores with each other or
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=5, help="print every N-th step of each mode")
     p.add_argument("--balancer-log-interval", type=int, default=0, help="BalancerConfig.log_interval")
     p.add_argument("--cpu", action="store_true", help="use CPU + gloo even if CUDA is available")
     args = p.parse_args(argv)
