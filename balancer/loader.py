@@ -265,8 +265,12 @@ class BalancedLoader(Generic[_B]):
         skip, self._skip = self._skip, 0
         run = _Run(self._ahead)
         # iter() on the calling thread: a DataLoader starts its worker
-        # processes here, as it would without the wrapper.
-        source = iter(self._loader)
+        # processes here, as it would without the wrapper. If that fails, the
+        # producer reports it through the first shuffle, so every rank raises.
+        try:
+            source = iter(self._loader)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the first next()
+            source = _raising(e)
         args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
                 self._world, self._signal, self._pin)
         run.thread = threading.Thread(target=_produce, args=args, name="balancer-loader", daemon=True)
@@ -368,6 +372,11 @@ class _BalancedIterator(Generic[_B]):
         return self._owner._next(self._run)
 
 
+def _raising(error: Exception) -> Iterator[Any]:
+    raise error
+    yield  # a generator: raises at its first next()
+
+
 def _stop_quietly(holder: list[_Run | None]) -> None:
     run = holder[0]
     if run is not None:
@@ -438,6 +447,7 @@ def _produce(run: _Run, source: Iterator[Any], skip: int, shuffler: BatchShuffle
             handle = shuffler.start_shuffle_async(batch, group)
             out = shuffler.finish_shuffle(batch, handle, group)
             if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
+                logger.debug("BalancedLoader: every rank was exhausted at step %d: the pass ends", step)
                 break
             run.items.put(_Item(out.pin_memory() if pin else out, handle.stats))
             step += 1

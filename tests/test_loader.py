@@ -230,6 +230,11 @@ class _Odd:
             yield self.fn(b) if self.odd and step == 1 else b
 
 
+class _IterFails:
+    def __iter__(self) -> Iterator[Any]:
+        raise OSError("shard file not found")
+
+
 def _error_worker(rank: int, w: int) -> dict[str, Any]:
     odd = rank == w - 1
     src = Source(rank, [4])
@@ -239,6 +244,7 @@ def _error_worker(rank: int, w: int) -> dict[str, Any]:
         "batch_size": _Odd(src, odd, lambda b: make(0, rank, 1, B + 1)),
         "not_a_batch": _Odd(src, odd, lambda b: {"x": 1}),
         "empty_loader": Source(rank, [0 if odd else 3]),
+        "iter_raises": _IterFails() if odd else Source(rank, [3]),
     }
     out = {}
     for name, source in cases.items():
@@ -259,6 +265,7 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
         "batch_size": "'batch_size': ranks [0, 1]: '4'; rank 2: '5'",
         "not_a_batch": "batch is a dict, expected a BaseBatch (rank 2)",
         "empty_loader": "the wrapped loader yielded no batch before step 0",
+        "iter_raises": "the wrapped loader raised OSError at step 0: shard file not found",
     }
     for rank, out in enumerate(outs):
         assert out["after"][:2] == (4, "ok"), out["after"]
@@ -266,7 +273,7 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
             n, kind, msg, chain = out[name]
             assert kind == "ValueError" and text in msg and "rank(s) [2]" in msg, (rank, name, msg)
             assert msg == outs[0][name][2], (rank, name)  # the same text everywhere
-            assert n == (0 if name == "empty_loader" else 1), (rank, name, n)
+            assert n == (0 if name in ("empty_loader", "iter_raises") else 1), (rank, name, n)
         if rank == w - 1:  # the failing rank's error chains to its loader's exception
             assert out["loader_raises"][3] == ["WrappedLoaderError", "KeyError"]
 
