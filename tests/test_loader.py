@@ -279,15 +279,15 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
 
 
 # ----------------------------------------------- threads, host reads
-def _loader_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("balancer-loader")]
+def _loader_threads(prefix: str = "balancer-loader") -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def _wait_for_no_loader_thread(limit: float = 10.0) -> bool:
+def _wait_for_no_loader_thread(limit: float = 10.0, prefix: str = "balancer-loader") -> bool:
     deadline = time.monotonic() + limit
-    while _loader_threads() and time.monotonic() < deadline:
+    while _loader_threads(prefix) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not _loader_threads()
+    return not _loader_threads(prefix)
 
 
 def _threads_worker(rank: int, w: int) -> dict[str, Any]:
@@ -300,7 +300,7 @@ def _threads_worker(rank: int, w: int) -> dict[str, Any]:
             next(it)
     out["reads"] = list(reads.calls)
     loader.close()
-    out["after_close"] = _loader_threads()
+    out["after_close"] = _loader_threads("balancer")  # the shuffler's thread too
     try:
         iter(loader)
         out["iter_closed"] = "ok"
@@ -312,13 +312,13 @@ def _threads_worker(rank: int, w: int) -> dict[str, Any]:
     next(it)
     del it, loader
     gc.collect()
-    out["after_gc"] = _wait_for_no_loader_thread()
+    out["after_gc"] = _wait_for_no_loader_thread(prefix="balancer")
     # A new pass after a break restarts the epoch.
     with BalancedLoader(src, cost, ahead=1, **FAST) as loader:
         first = [check_batch(b) for _, b in zip(range(2), loader, strict=False)]
         again = [check_batch(b) for b in loader]
         out["restart"] = first == again[:2] and len(again) == 6
-    out["after_with"] = _loader_threads()
+    out["after_with"] = _loader_threads("balancer")
     return out
 
 
