@@ -233,7 +233,7 @@ class BalancedLoader(Generic[_B]):
         self._workloads = _Workloads(workload_fn)
         self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
                                        executor=executor, timeout=timeout, log_interval=log_interval)
-        self._group, self._world, self._rank = _comm.resolve_group(group)
+        self._group, self._world, _ = _comm.resolve_group(group)
         # Both on the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never
         # create a group while the training thread creates others.

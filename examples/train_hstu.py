@@ -16,10 +16,10 @@ of the model from the same initial weights train on the same batches, step by
 step, in alternating order (so noise on a shared machine hits both alike;
 ``--no-baseline`` skips the baseline). Rank 0 prints a line every
 ``--log-every`` steps of each mode, one ``summary:`` line per mode and, last,
-the step-time speedup with the imbalance before/after. The imbalance is max/mean of the per-rank cost
-(``--workload``) of the batches as drawn and as trained; "measured compute" is
-max/mean of each rank's compute (CPU time of its training thread, which leaves
-out the waits inside collectives). Where ranks share cores with each other or
+the step-time speedup with the imbalance before/after. The imbalance is
+max/mean of the per-rank cost (``--workload``) of the batches as drawn and as
+trained; "measured compute" is max/mean of each rank's compute (CPU time of its
+training thread, which leaves out the waits inside collectives). Where ranks share cores with each other or
 with other work, the step time measures that contention as much as the
 straggler; the slowest rank's compute is what one device per rank would see.
 The defaults (Zipf history lengths up to 2048) make attention dominate the
