@@ -8,6 +8,10 @@ Data path per training step (see docs/design.md):
 (``balancer.shuffler``) -> 6. overlapped inside the train pipeline
 (``balancer.pipeline``).
 
+Outside TorchRec's pipeline (a plain DDP/FSDP loop, a Trainer),
+:class:`BalancedLoader` does steps 2-5 in the data loader, on the host, in a
+background thread (docs/loader.md).
+
 LLM and RL training (docs/llm.md): :class:`TransformerCost` per-sample FLOPs,
 :func:`plan_dispatch` / :class:`BufferedDispatcher` for a single controller
 that splits a global batch across ranks, :func:`plan_micro_batches` to cut a
@@ -20,6 +24,7 @@ from balancer.buffered_dispatch import BufferedDispatcher, DispatchRound
 from balancer.config import BalancerConfig
 from balancer.dispatch import DispatchPlan, plan_dispatch
 from balancer.errors import ShuffleAbortedError
+from balancer.loader import BalancedLoader
 from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
 from balancer.microbatch import MicroBatchPlan, plan_micro_batches
 from balancer.partition import balanced_partition, free_partition, karmarkar_karp, lower_bound
@@ -43,6 +48,7 @@ from balancer.workloads import (
 )
 
 __all__ = [
+    "BalancedLoader",
     "BalancedPrefetchTrainPipelineSparseDist",
     "BalancedTrainPipelineSparseDist",
     "BalancerConfig",

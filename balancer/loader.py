@@ -1,0 +1,504 @@
+"""`BalancedLoader`: balance every rank's batches inside the data loader, on the host.
+
+Wraps each rank's own loader (a ``DataLoader`` or any iterable of
+:class:`~balancer.batch.BaseBatch`). Per step ``s``, on every rank of the group:
+
+1. a background thread (``balancer-loader``) takes batch ``s`` of this rank's
+   loader and pads it to ``batch_size`` with :func:`~balancer.batch.pad_batch`
+   (an incomplete last batch); once the loader is exhausted it takes an
+   all-padding batch of the same layout instead (see *Uneven loaders*);
+2. the same thread shuffles it with a :class:`~balancer.shuffler.BatchShuffler`
+   on the host: metadata all-gather, partition and plan in the shuffler's own
+   thread and child process, then one gloo collective on the shuffler's own
+   group moves the samples -- never on the caller's group, so the training
+   loop's collectives are not disturbed;
+3. it decides whether the epoch goes on (below), pins the batch when asked
+   (and CUDA is present), and queues it;
+4. the training thread's ``next()`` only waits on that queue. ``ahead``
+   batches stay ready in advance, so with ``ahead >= 1`` the wait is near
+   zero; the user copies each batch to the device as usual.
+
+Each yielded batch has ``batch_size`` samples: the real samples the shuffle
+assigned to this rank (ascending global order), then padding. Normalise the
+loss globally (:func:`balancer.loss.global_mean_loss`): near the end of an
+uneven epoch a rank may get a batch with ``actual_batch_size == 0``.
+
+Uneven loaders (the policy: stop together). A rank whose loader is exhausted
+keeps taking part with all-padding batches (built from a template of its first
+batch) while any rank still has data, so the remaining samples are spread over
+all ranks and every sample is yielded exactly once per epoch. Every rank stops
+at the first step at which every rank was exhausted. Ranks learn it from the
+step's shuffle: if any rank had a real sample of positive cost
+(``ShuffleStats.max_before > 0``) the epoch goes on; otherwise (typically once
+per epoch) one all-reduce of a flag, in the background thread on a gloo group
+of the loader's own, decides. Every rank yields the same number of batches.
+
+Failures. Bad input on one rank (layout, batch size, workloads) raises the
+shuffler's ``ValueError`` on every rank; an exception of one rank's loader is
+sent through the shuffle too, so every rank raises the same ``ValueError``
+(naming the rank and the exception, chained from it on the failing rank). Each
+is raised by the next ``next()``, which then ends the epoch. A peer that stops
+taking part raises :class:`~balancer.errors.ShuffleAbortedError` after
+``timeout``.
+
+Resuming. :meth:`BalancedLoader.state_dict` records the epoch and how many
+batches the user consumed in it; a fresh loader given it by
+:meth:`~BalancedLoader.load_state_dict` fast-forwards the wrapped loader past
+them (batches prefetched but not consumed are produced again) and yields
+exactly the batches an uninterrupted run would have, provided the wrapped
+loader yields the same batches for the same epoch (seeded sampler,
+``set_epoch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from balancer import _comm
+from balancer._plan import PartitionFn
+from balancer.batch import BaseBatch, pad_batch
+from balancer.config import check_bool, check_interval, check_timeout
+from balancer.errors import ShuffleAbortedError
+from balancer.partition import balanced_partition
+from balancer.shuffler import BatchShuffler, ShuffleStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BalancedLoader"]
+
+_B = TypeVar("_B", bound=BaseBatch)
+
+
+class _Workloads(functools.partial):  # type: ignore[type-arg]
+    """The user's ``workload_fn`` as the shuffler sees it.
+
+    A ``functools.partial`` so that the shuffler's cross-rank configuration
+    check identifies it by the user's function (``partial(<fn>)``), not by
+    this wrapper. ``report``: an exception the producer thread sets just before
+    shuffling a carrier batch, to make this rank's phase 1 fail with it -- the
+    shuffle then raises the same ``ValueError`` naming it on every rank.
+    """
+
+    report: BaseException | None = None
+
+    def __call__(self, batch: Any) -> Any:
+        if self.report is not None:
+            raise self.report
+        return self.func(batch)
+
+
+class WrappedLoaderError(RuntimeError):
+    """This rank's wrapped loader raised (or had no batch to take part with);
+    every rank raises a ``ValueError`` naming it."""
+
+
+@dataclasses.dataclass
+class _Template:
+    """Per rank, from its first batch: the batch size and an all-padding batch."""
+
+    batch_size: int | None = None
+    padding: BaseBatch | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    batch: BaseBatch
+    stats: ShuffleStats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+_DONE = object()
+
+
+class _Run:
+    """One pass over the wrapped loader: the producer thread, its credits and queue.
+
+    The producer runs one step per credit. The consumer grants one credit per
+    ``next()`` on top of the initial ``ahead``, so on every rank that consumed
+    the same number of batches the producer runs the same number of shuffles.
+    Stopping keeps that symmetry: the producer finishes the steps it already
+    has credit for (its peers run them too) and then exits, so no rank is left
+    waiting in a collective its peers never join.
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.cond = threading.Condition()
+        self.credits = ahead
+        self.stopping = False
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def grant(self) -> None:
+        with self.cond:
+            self.credits += 1
+            self.cond.notify()
+
+    def take(self) -> bool:
+        """Producer: wait for a credit; ``False`` once stopping with none left."""
+        with self.cond:
+            while self.credits == 0 and not self.stopping:
+                self.cond.wait()
+            if self.credits == 0:
+                return False
+            self.credits -= 1
+            return True
+
+    def stop(self) -> None:
+        """Ask the producer to exit after its credited steps; never blocks (finalizers call it)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def join(self) -> None:
+        self.stop()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+class BalancedLoader(Generic[_B]):
+    """An iterable of balanced CPU batches over each rank's own loader.
+
+    Every rank of ``group`` constructs it at the same point of its program
+    (the constructor creates the shuffler's gloo groups and one of its own)
+    and iterates it in step. See the module docstring for the data path, the
+    stop-together policy for uneven loaders, failures and resuming.
+
+    Example::
+
+        loader = BalancedLoader(DataLoader(ds, batch_size=64, sampler=sampler, collate_fn=collate),
+                                HSTUAttentionCost(["item"], ...), ahead=2, pin_memory=True)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                batch = batch.to(device, non_blocking=True)
+                ...
+        loader.close()
+
+    Args:
+        loader: this rank's iterable of :class:`BaseBatch`, the same
+            ``batch_size`` on every rank (a smaller batch is padded).
+        workload_fn: per-sample cost, ``batch -> [batch_size]`` (see
+            :mod:`balancer.workloads`).
+        group: the data-parallel process group; ``None`` is the default group
+            (resolved now). Without torch.distributed or with one rank,
+            batches pass through unchanged (padded).
+        ahead: balanced batches kept ready in advance (>= 0). ``0``: each
+            ``next()`` waits for its step's shuffle. The yields do not depend
+            on it.
+        batch_size: samples per batch; ``None`` takes the first batch's
+            (pass it when a rank's first batch may be incomplete).
+        pin_memory: pin every yielded batch (only when CUDA is available).
+        comm, partition, locality, executor, timeout, log_interval: the
+            :class:`~balancer.shuffler.BatchShuffler` settings; ``timeout``
+            also bounds the loader's own stop signal.
+
+    Raises:
+        ValueError: on an invalid setting, naming the value and the expectation.
+    """
+
+    def __init__(self, loader: Iterable[_B], workload_fn: Callable[[Any], Any], *,
+                 group: dist.ProcessGroup | None = None, ahead: int = 2, batch_size: int | None = None,
+                 pin_memory: bool = False, comm: str = "all2all", partition: PartitionFn = balanced_partition,
+                 locality: bool = True, executor: str = "auto", timeout: float = 300.0,
+                 log_interval: int = 0) -> None:
+        me = type(self).__name__
+        if not isinstance(loader, Iterable):
+            raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch")
+        if not callable(workload_fn):
+            raise ValueError(f"{me}: workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
+        check_interval(me, "ahead", ahead)
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise ValueError(f"{me}: batch_size={batch_size!r}, expected None or an int >= 1")
+        check_bool(me, "pin_memory", pin_memory)
+        check_timeout(me, "timeout", timeout)
+        self._loader = loader
+        self._ahead, self._pin = ahead, pin_memory
+        self._workloads = _Workloads(workload_fn)
+        self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
+                                       executor=executor, timeout=timeout, log_interval=log_interval)
+        self._group, self._world, _ = _comm.resolve_group(group)
+        # Both on the calling thread, at the same point on every rank: group
+        # creation is itself collective, and the producer thread must never
+        # create a group while the training thread creates others.
+        self._shuffler.connect(group)
+        self._signal = None
+        if self._world > 1:
+            ranks = dist.get_process_group_ranks(self._group)
+            self._signal = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                                          use_local_synchronization=True)
+        self._template = _Template(batch_size=batch_size)
+        self._epoch = 0
+        self._consumed = 0  # batches the user took from the current (or last) pass
+        self._skip = 0  # steps the next pass fast-forwards (load_state_dict)
+        self._run: _Run | None = None
+        self._stats: ShuffleStats | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_quietly, [None])
+
+    # ------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[_B]:
+        """Start a pass (an epoch) over the wrapped loader.
+
+        Stops a previous pass first (waiting for its credited steps). Resumes
+        after the consumed batches of a loaded state.
+        """
+        if self._closed:
+            raise RuntimeError("BalancedLoader is closed")
+        self._end_run()
+        skip, self._skip = self._skip, 0
+        run = _Run(self._ahead)
+        # iter() on the calling thread: a DataLoader starts its worker
+        # processes here, as it would without the wrapper. If that fails, the
+        # producer reports it through the first shuffle, so every rank raises.
+        try:
+            source = iter(self._loader)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the first next()
+            source = _raising(e)
+        args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
+                self._world, self._signal, self._pin)
+        run.thread = threading.Thread(target=_produce, args=args, name="balancer-loader", daemon=True)
+        run.thread.start()
+        self._run, self._consumed = run, skip
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop_quietly, [run])
+        return _BalancedIterator(self, run)
+
+    def _next(self, run: _Run) -> _B:
+        if run is not self._run:
+            raise StopIteration  # a newer pass (or close) ended this one
+        run.grant()
+        item = run.items.get()
+        if isinstance(item, _Item):
+            self._consumed += 1
+            self._stats = item.stats
+            return item.batch  # type: ignore[return-value]
+        self._end_run()
+        if isinstance(item, _Failed):
+            raise item.error
+        raise StopIteration
+
+    def _end_run(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.join()
+
+    # -------------------------------------------------------------- control
+    @property
+    def stats(self) -> ShuffleStats | None:
+        """:class:`ShuffleStats` of the batch yielded last (``None`` before the first)."""
+        return self._stats
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per yielded batch (``None`` until given or seen in the first batch)."""
+        return self._template.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next pass and forward it to the wrapped loader's
+        ``set_epoch`` (or its sampler's, e.g. ``DistributedSampler``). A
+        different epoch than a loaded state's starts that epoch from its
+        beginning; the same one keeps the resume point."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"BalancedLoader.set_epoch: epoch={epoch!r}, expected an int >= 0")
+        if epoch != self._epoch:
+            self._skip = 0
+        self._epoch = epoch
+        target = _epoch_target(self._loader)
+        if target is not None:
+            target.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "consumed"}``: the epoch and the batches the user took from
+        its pass so far (equal on every rank that trained the same steps)."""
+        return {"epoch": self._epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume from :meth:`state_dict`: the next pass of ``state["epoch"]``
+        skips its first ``state["consumed"]`` batches (stops a running pass)."""
+        for key in ("epoch", "consumed"):
+            v = state.get(key) if isinstance(state, dict) else None
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"BalancedLoader.load_state_dict: {key}={v!r}, expected an int >= 0")
+        self._end_run()
+        self.set_epoch(state["epoch"])
+        self._skip = self._consumed = state["consumed"]
+
+    def close(self) -> None:
+        """Stop the producer thread (after the steps it has credit for, which
+        every peer that consumed as many batches runs too) and the shuffler.
+        Idempotent; iterating afterwards raises ``RuntimeError``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._end_run()
+        self._finalizer.detach()
+        self._shuffler.close()
+
+    def __enter__(self) -> BalancedLoader[_B]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _BalancedIterator(Generic[_B]):
+    """The iterator of one pass; dropping it stops that pass's producer."""
+
+    def __init__(self, owner: BalancedLoader[_B], run: _Run) -> None:
+        self._owner, self._run = owner, run
+        weakref.finalize(self, run.stop)
+
+    def __iter__(self) -> _BalancedIterator[_B]:
+        return self
+
+    def __next__(self) -> _B:
+        return self._owner._next(self._run)
+
+
+def _raising(error: Exception) -> Iterator[Any]:
+    raise error
+    yield  # a generator: raises at its first next()
+
+
+def _stop_quietly(holder: list[_Run | None]) -> None:
+    run = holder[0]
+    if run is not None:
+        run.stop()
+
+
+def _epoch_target(loader: Any) -> Any:
+    """The object whose ``set_epoch`` orders ``loader``'s samples, if any."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            return obj
+    return None
+
+
+# ------------------------------------------------------------ producer
+def _padding_like(batch: BaseBatch) -> BaseBatch:
+    """A batch of the same layout and size with no real sample (zero lengths, zero rows)."""
+    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        w = k.weights_or_none()
+        return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
+                                 weights=None if w is None else w.new_empty(0),
+                                 lengths=torch.zeros_like(k.lengths()), stride=batch.batch_size)
+    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)
+
+
+def _carrier(template: _Template) -> BaseBatch:
+    """A batch to report a failure with: the padding template if there is one."""
+    if template.padding is not None:
+        return _padding_like(template.padding)
+    empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64),
+                              lengths=torch.zeros(1, dtype=torch.int64))
+    return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
+
+
+def _fit(batch: Any, template: _Template) -> Any:
+    """``batch`` padded to the batch size; the first batch sets the template.
+    Anything else (another type, a larger batch) goes to the shuffle as it is,
+    which reports it on every rank."""
+    if not isinstance(batch, BaseBatch):
+        return batch
+    if template.batch_size is None:
+        template.batch_size = batch.batch_size
+    if batch.batch_size < template.batch_size:
+        batch = pad_batch(batch, template.batch_size)
+    if template.padding is None and batch.batch_size == template.batch_size:
+        template.padding = _padding_like(batch)
+    return batch
+
+
+def _produce(run: _Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler, workloads: _Workloads,
+             template: _Template, group: Any, world: int, signal: Any, pin: bool) -> None:
+    """The producer thread: one shuffled batch per credit, in step with every rank."""
+    try:
+        exhausted, failure = False, None
+        for step in range(skip):  # fast-forward (resume): one draw per consumed step
+            _, exhausted, failure = _take(source, template, exhausted, step)
+            if exhausted or failure is not None:
+                break
+        step = skip
+        while run.take():
+            if failure is None:
+                batch, exhausted, failure = _take(source, template, exhausted, step)
+            if world == 1 and exhausted:
+                break
+            if failure is not None:  # every rank raises it (this one too)
+                _report(shuffler, workloads, _carrier(template), failure, group)
+            handle = shuffler.start_shuffle_async(batch, group)
+            out = shuffler.finish_shuffle(batch, handle, group)
+            if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
+                logger.debug("BalancedLoader: every rank was exhausted at step %d: the pass ends", step)
+                break
+            run.items.put(_Item(out.pin_memory() if pin else out, handle.stats))
+            step += 1
+    except BaseException as e:  # noqa: BLE001 - raised by the consumer's next()
+        run.items.put(_Failed(e))
+    finally:
+        run.items.put(_DONE)
+
+
+def _take(source: Iterator[Any], template: _Template, exhausted: bool,
+          step: int) -> tuple[Any, bool, BaseException | None]:
+    """This rank's input of ``step``: ``(batch, exhausted, failure)``; never raises
+    (a failure is reported through the shuffle, so that every rank raises it)."""
+    if not exhausted:
+        try:
+            return _fit(next(source), template), False, None
+        except StopIteration:
+            exhausted = True
+        except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
+            failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
+            failure.__cause__ = e
+            return None, False, failure
+    if template.padding is None:
+        return None, True, WrappedLoaderError(
+            f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to take "
+            "part with; every rank's loader must yield at least one batch in a pass")
+    return _padding_like(template.padding), True, None
+
+
+def _report(shuffler: BatchShuffler, workloads: _Workloads, carrier: BaseBatch, failure: BaseException,
+            group: Any) -> None:
+    """Take part in this step with ``failure``: every rank's shuffle raises a
+    ``ValueError`` naming it (here chained from it)."""
+    workloads.report = failure
+    try:
+        shuffler.shuffle(carrier, group)
+    finally:
+        workloads.report = None
+    raise failure  # only reached without peers (one rank): the shuffle did not raise
+
+
+def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
+    """Whether any rank still had data at this step (the same answer on every rank)."""
+    if stats.max_before > 0:  # some rank had a real sample: not exhausted
+        return True
+    # No real sample of positive cost anywhere: the end of the pass, or
+    # batches whose samples all cost 0. One flag from every rank decides.
+    flag = torch.tensor([0 if exhausted else 1], dtype=torch.int64)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=signal)
+    except RuntimeError as e:  # a gloo timeout or a lost peer
+        raise ShuffleAbortedError(f"BalancedLoader: the end-of-data signal after shuffle #{seq} failed: {e}",
+                                  seq=seq, phase="loader stop signal", missing=None) from e
+    return bool(flag[0])

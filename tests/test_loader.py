@@ -1,0 +1,380 @@
+"""BalancedLoader on real gloo ranks (forkserver), plus its single-process paths.
+
+Every sample carries a unique id per epoch (``_sid``) in its KJT values and
+weights, its dense row and its label, so a test can follow it across ranks and
+check that each arrives exactly once and intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from balancer import BalancedLoader, BaseBatch, BatchShuffler, pad_batch
+from balancer.testing import HostReadRecorder, run_workers
+from tests.test_shuffler import rows
+
+B = 4
+# The partition in the shuffler's thread: the same partition as in the default
+# child process (tests/test_shuffler.py), without a process start per loader.
+FAST: dict[str, Any] = {"executor": "thread"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class IdBatch(BaseBatch):
+    dense: torch.Tensor  # [B, 2] float64: (id, -id)
+
+
+def _sid(epoch: int, rank: int, step: int, i: int) -> int:
+    return 1 + epoch * 1_000_000 + rank * 10_000 + step * 100 + i
+
+
+def make(epoch: int, rank: int, step: int, n: int, weights: bool = True) -> IdBatch:
+    """``n`` real samples (no padding); lengths grow with the rank (imbalance)."""
+    rng = np.random.default_rng([epoch, rank, step])
+    ids = [_sid(epoch, rank, step, i) for i in range(n)]
+    lens = rng.integers(0, 2 + 6 * rank, size=(2, n))
+    vals = [ids[i] * 1000 + 100 * k + p for k in range(2) for i in range(n) for p in range(lens[k, i])]
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(vals, dtype=torch.int64),
+                            weights=torch.tensor(vals, dtype=torch.float64) / 7 if weights else None,
+                            lengths=torch.from_numpy(lens.reshape(-1)))
+    t = torch.tensor(ids, dtype=torch.float64)
+    return IdBatch(features=kjt, batch_size=n, feature_to_max_seqlen={"a": 16}, labels=t.clone(),
+                   dense=torch.stack([t, -t], dim=1))
+
+
+def padding() -> IdBatch:
+    """An all-padding batch of the layout of ``make``'s."""
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.zeros(0, dtype=torch.int64),
+                            weights=torch.zeros(0, dtype=torch.float64),
+                            lengths=torch.zeros(2 * B, dtype=torch.int64))
+    return IdBatch(features=kjt, batch_size=B, feature_to_max_seqlen={"a": 16},
+                   labels=torch.zeros(B, dtype=torch.float64), dense=torch.zeros(B, 2, dtype=torch.float64),
+                   actual_batch_size=0)
+
+
+def cost(batch: BaseBatch) -> torch.Tensor:
+    f = batch.features
+    return (f.lengths().view(2, batch.batch_size).sum(0) + 1) ** 2
+
+
+class Source:
+    """One rank's loader: ``counts[epoch % len]`` batches, the last one incomplete
+    (``B - 1`` samples); which samples come when depends on the epoch (as with a
+    seeded sampler)."""
+
+    def __init__(self, rank: int, counts: list[int], fail_at: int | None = None) -> None:
+        self.rank, self.counts, self.fail_at, self.epoch = rank, counts, fail_at, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[IdBatch]:
+        n = self.counts[self.epoch % len(self.counts)]
+        order = np.random.default_rng([self.epoch, self.rank]).permutation(n).tolist()
+        for step, k in enumerate(order):
+            if step == self.fail_at:
+                raise KeyError(f"sample file {k} is missing")
+            yield make(self.epoch, self.rank, k, B - 1 if step == n - 1 else B)
+
+
+def check_batch(batch: BaseBatch) -> list[int]:
+    """The real ids of ``batch`` after checking that every field is intact and padding is zero."""
+    assert batch.batch_size == B
+    a = int(batch.actual_batch_size or 0)
+    ids = batch.dense[:, 0].tolist()  # type: ignore[attr-defined]
+    assert batch.dense[:, 1].tolist() == [-x for x in ids]  # type: ignore[attr-defined]
+    assert batch.labels.tolist() == ids  # type: ignore[union-attr]
+    assert all(x == 0 for x in ids[a:]), ids
+    f = batch.features
+    lens = f.lengths().view(2, B).tolist()
+    vals, wts, off = f.values().tolist(), f.weights().tolist(), 0
+    for k in range(2):
+        for i in range(B):
+            seg = vals[off : off + lens[k][i]]
+            assert all(v // 1000 == ids[i] and v % 1000 // 100 == k for v in seg), (k, i, seg, ids)
+            assert wts[off : off + lens[k][i]] == [v / 7 for v in seg]
+            off += lens[k][i]
+    return [int(x) for x in ids[:a]]
+
+
+def real_ids(batches: Any) -> list[int]:
+    return [int(x) for b in batches for x in b.dense[: b.actual_batch_size, 0].tolist()]
+
+
+# ------------------------------------------------- conservation, reference
+COUNTS = [[3, 5, 2], [4, 1, 4]]  # batches per rank, per epoch
+
+
+def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
+    src = Source(rank, [c[rank] for c in COUNTS])
+    out: dict[str, Any] = {"epochs": [], "ahead": {}, "source": []}
+    with BalancedLoader(src, cost, ahead=2) as loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            got = [(check_batch(b), loader.stats) for b in loader]
+            assert loader.state_dict() == {"epoch": epoch, "consumed": len(got)}
+            out["epochs"].append([ids for ids, _ in got])
+            for _, s in got:
+                assert s is not None and s.max_after <= s.max_before + 1e-9
+            # Reference: the shuffler on the same steps (padding once exhausted),
+            # as the in-pipeline shuffler would see them.
+            ref = BatchShuffler(cost)
+            batches = list(src)
+            out["source"].append(real_ids(batches))
+            for step, (ids, stats) in enumerate(got):
+                x = pad_batch(batches[step], B) if step < len(batches) else padding()
+                h = ref.start_shuffle_async(x)
+                y = ref.finish_shuffle(x, h)
+                assert check_batch(y) == ids, (epoch, step)
+                assert (h.stats.load_before, h.stats.load_after) == (stats.load_before, stats.load_after)
+            ref.close()
+    # Epoch 1 of rank 1 is one incomplete batch: a fresh loader needs batch_size.
+    src.set_epoch(1)
+    for ahead in (0, 1, 2):
+        with BalancedLoader(src, cost, ahead=ahead, batch_size=B, **FAST) as loader:
+            loader.set_epoch(1)
+            out["ahead"][ahead] = [rows(b) for b in loader]
+    return out
+
+
+def test_every_sample_once_per_epoch_matches_the_shuffler_and_ahead() -> None:
+    w = 3
+    outs = run_workers(_conservation_worker, w, timeout=120)
+    for epoch in range(3):
+        per_rank = [o["epochs"][epoch] for o in outs]
+        counts = COUNTS[epoch % 2]
+        assert {len(p) for p in per_rank} == {max(counts)}, "every rank yields as many batches"
+        got = Counter(i for p in per_rank for ids in p for i in ids)
+        drawn = sorted(i for o in outs for i in o["source"][epoch])
+        assert len(drawn) == sum(B * c - 1 for c in counts if c)
+        assert sorted(got.elements()) == drawn, epoch  # each exactly once
+    for o in outs:
+        assert o["ahead"][0] == o["ahead"][1] == o["ahead"][2]
+
+
+# --------------------------------------------------------------- resume
+RESUME_COUNTS = [[3, 2], [2, 4]]
+
+
+def _resume_worker(rank: int, w: int) -> dict[str, Any]:
+    src = Source(rank, [c[rank] for c in RESUME_COUNTS])
+
+    def run(loader: BalancedLoader[IdBatch], epochs: range, limit: int | None = None) -> list[Any]:
+        got: list[Any] = []
+        for epoch in epochs:
+            loader.set_epoch(epoch)
+            for b in loader:
+                got.append((epoch, rows(b)))
+                if limit is not None and len(got) == limit:
+                    return got
+        return got
+
+    with BalancedLoader(src, cost, ahead=2) as loader:
+        full = run(loader, range(2))
+    cases = {}
+    for k in (0, 1, 3, 4, len(full)):  # start, mid-epoch, the epoch's end, the next epoch, the end
+        with BalancedLoader(src, cost, ahead=1 + k % 2, **FAST) as first:
+            head = run(first, range(2), limit=k)
+            state = first.state_dict()
+        with BalancedLoader(src, cost, ahead=2 - k % 2, **FAST) as second:
+            second.load_state_dict(state)
+            tail = run(second, range(state["epoch"], 2))
+        cases[k] = (head + tail == full, state)
+    return {"n": len(full), "cases": cases}
+
+
+def test_resume_after_k_batches_matches_an_uninterrupted_run() -> None:
+    outs = run_workers(_resume_worker, 2, timeout=120)
+    for o in outs:
+        assert o["n"] == 3 + 4  # max batches per epoch over ranks
+        for k, (same, state) in o["cases"].items():
+            assert same, (k, state)
+    assert outs[0]["cases"] == outs[1]["cases"]
+
+
+# --------------------------------------------------------------- errors
+def _outcome(loader: BalancedLoader[Any]) -> tuple[int, str, str, list[str]]:
+    """Batches yielded before the error, its type and text, and its cause chain."""
+    n = 0
+    try:
+        for _ in loader:
+            n += 1
+    except Exception as e:  # noqa: BLE001 - compared across ranks
+        chain, c = [], e.__cause__
+        while c is not None:
+            chain.append(type(c).__name__)
+            c = c.__cause__
+        return n, type(e).__name__, str(e), chain
+    return n, "ok", "", []
+
+
+class _Odd:
+    """Rank ``odd``'s step 1 is replaced by ``fn(batch)``."""
+
+    def __init__(self, src: Source, odd: bool, fn: Any) -> None:
+        self.src, self.odd, self.fn = src, odd, fn
+
+    def __iter__(self) -> Iterator[Any]:
+        for step, b in enumerate(self.src):
+            yield self.fn(b) if self.odd and step == 1 else b
+
+
+class _IterFails:
+    def __iter__(self) -> Iterator[Any]:
+        raise OSError("shard file not found")
+
+
+def _error_worker(rank: int, w: int) -> dict[str, Any]:
+    odd = rank == w - 1
+    src = Source(rank, [4])
+    cases = {
+        "loader_raises": Source(rank, [4], fail_at=1 if odd else None),
+        "no_weights": _Odd(src, odd, lambda b: make(0, rank, 1, B, weights=False)),
+        "batch_size": _Odd(src, odd, lambda b: make(0, rank, 1, B + 1)),
+        "not_a_batch": _Odd(src, odd, lambda b: {"x": 1}),
+        "empty_loader": Source(rank, [0 if odd else 3]),
+        "iter_raises": _IterFails() if odd else Source(rank, [3]),
+    }
+    out = {}
+    for name, source in cases.items():
+        with BalancedLoader(source, cost, timeout=30.0, **FAST) as loader:
+            out[name] = _outcome(loader)
+    with BalancedLoader(src, cost, **FAST) as loader:
+        out["after"] = _outcome(loader)
+    return out
+
+
+def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
+    w = 3
+    outs = run_workers(_error_worker, w, timeout=120)
+    expect = {
+        "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError at step 1: "
+                         "'sample file",
+        "no_weights": "'features.weights dtype': ranks [0, 1]: 'torch.float64'; rank 2: 'absent'",
+        "batch_size": "'batch_size': ranks [0, 1]: '4'; rank 2: '5'",
+        "not_a_batch": "batch is a dict, expected a BaseBatch (rank 2)",
+        "empty_loader": "the wrapped loader yielded no batch before step 0",
+        "iter_raises": "the wrapped loader raised OSError at step 0: shard file not found",
+    }
+    for rank, out in enumerate(outs):
+        assert out["after"][:2] == (4, "ok"), out["after"]
+        for name, text in expect.items():
+            n, kind, msg, chain = out[name]
+            assert kind == "ValueError" and text in msg and "rank(s) [2]" in msg, (rank, name, msg)
+            assert msg == outs[0][name][2], (rank, name)  # the same text everywhere
+            assert n == (0 if name in ("empty_loader", "iter_raises") else 1), (rank, name, n)
+        if rank == w - 1:  # the failing rank's error chains to its loader's exception
+            assert out["loader_raises"][3] == ["WrappedLoaderError", "KeyError"]
+
+
+# ----------------------------------------------- threads, host reads
+def _loader_threads(prefix: str = "balancer-loader") -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def _wait_for_no_loader_thread(limit: float = 10.0, prefix: str = "balancer-loader") -> bool:
+    deadline = time.monotonic() + limit
+    while _loader_threads(prefix) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _loader_threads(prefix)
+
+
+def _threads_worker(rank: int, w: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    src = Source(rank, [6])
+    loader = BalancedLoader(src, cost, ahead=2)
+    it = iter(loader)
+    with HostReadRecorder() as reads:
+        for _ in range(3):
+            next(it)
+    out["reads"] = list(reads.calls)
+    loader.close()
+    out["after_close"] = _loader_threads("balancer")  # the shuffler's thread too
+    try:
+        iter(loader)
+        out["iter_closed"] = "ok"
+    except RuntimeError as e:
+        out["iter_closed"] = str(e)
+    # Dropped mid-epoch without close(): garbage collection stops the thread.
+    loader = BalancedLoader(src, cost, ahead=2, **FAST)
+    it = iter(loader)
+    next(it)
+    del it, loader
+    gc.collect()
+    out["after_gc"] = _wait_for_no_loader_thread(prefix="balancer")
+    # A new pass after a break restarts the epoch.
+    with BalancedLoader(src, cost, ahead=1, **FAST) as loader:
+        first = [check_batch(b) for _, b in zip(range(2), loader, strict=False)]
+        again = [check_batch(b) for b in loader]
+        out["restart"] = first == again[:2] and len(again) == 6
+    out["after_with"] = _loader_threads("balancer")
+    return out
+
+
+def test_close_and_gc_stop_the_thread_and_next_reads_no_tensor() -> None:
+    for out in run_workers(_threads_worker, 2, timeout=120):
+        assert out["reads"] == [], out["reads"]
+        assert out["after_close"] == [] and out["after_with"] == []
+        assert out["iter_closed"] == "BalancedLoader is closed"
+        assert out["after_gc"] is True
+        assert out["restart"] is True
+
+
+# ----------------------------------------------------- single process
+def test_single_process_pads_the_last_batch_and_surfaces_loader_errors() -> None:
+    src = Source(0, [3], fail_at=None)
+    with BalancedLoader(src, cost, ahead=0, pin_memory=True) as loader:  # pins only with CUDA
+        got = [check_batch(b) for b in loader]
+        assert [len(g) for g in got] == [B, B, B - 1]
+        assert loader.stats is not None and loader.stats.world_size == 1
+        assert loader.batch_size == B
+    failing = Source(0, [3], fail_at=2)
+    loader = BalancedLoader(failing, cost, ahead=2)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(ValueError, match="the wrapped loader raised KeyError") as info:
+        next(it)
+    assert isinstance(info.value.__cause__, Exception) and isinstance(info.value.__cause__.__cause__, KeyError)
+    with pytest.raises(StopIteration):
+        next(it)  # the failure ended the pass
+    assert _loader_threads() == []
+    del it, loader
+    gc.collect()
+
+
+def test_state_and_settings_are_validated() -> None:
+    src = Source(0, [2])
+    with pytest.raises(ValueError, match="ahead=-1, expected an int >= 0"):
+        BalancedLoader(src, cost, ahead=-1)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        BalancedLoader(src, cost, batch_size=0)
+    with pytest.raises(ValueError, match="comm='x'"):
+        BalancedLoader(src, cost, comm="x")
+    with BalancedLoader(src, cost) as loader:
+        with pytest.raises(ValueError, match="consumed=None"):
+            loader.load_state_dict({"epoch": 0})
+        loader.load_state_dict({"epoch": 3, "consumed": 1})
+        assert src.epoch == 3  # forwarded to the wrapped loader
+        assert len(list(loader)) == 1 and loader.state_dict() == {"epoch": 3, "consumed": 2}
+        loader.set_epoch(4)
+        assert len(list(loader)) == 2
+
+
+def test_a_worker_exception_never_hangs_the_gc_path() -> None:
+    # Unconsumed failure, dropped iterator: the thread still ends.
+    loader = BalancedLoader(Source(0, [3], fail_at=0), cost)
+    it = iter(loader)
+    del it, loader
+    gc.collect()
+    assert _wait_for_no_loader_thread()
