@@ -420,9 +420,13 @@ def describe_failure(verdict: Verdict, headers: np.ndarray, reports: list[Report
         offenders.update(odd)
         parts.append(f"shuffler configuration differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
     if "layout" in verdict.problems:
-        lines, odd = _field_diffs([rep.layout for rep in reports])
+        # A rank whose input is invalid already has its message; compare the rest.
+        valid = [r for r in range(w) if not int(headers[r, H_STATUS])]
+        lines, odd = _field_diffs([reports[r].layout for r in valid])
+        odd = [valid[i] for i in odd]
         offenders.update(odd)
-        parts.append(f"batch layout differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
+        if lines:
+            parts.append(f"batch layout differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
     if "plan" in verdict.problems:
         digests = [int(h[H_PREV_DIGEST]) for h in headers]
         odd = _odd(digests)

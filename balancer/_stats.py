@@ -48,6 +48,8 @@ class ShuffleStats:
         calibration: the cost model fitted to measured compute times that
             this shuffle partitioned with (online calibration), or ``None``
             (``workload_fn``'s costs were used).
+        real_before, real_after: [W] real samples per rank in the input and
+            output batches.
     """
 
     seq: int
@@ -73,6 +75,8 @@ class ShuffleStats:
     background_s: float = 0.0
     collective_s: float = 0.0
     calibration: CostModel | None = None
+    real_before: list[int] = dataclasses.field(default_factory=list)
+    real_after: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance_before(self) -> float:
@@ -117,6 +121,8 @@ def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: 
         samples_sent=traffic.samples_sent, samples_received=traffic.samples_received,
         bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
         moved_fraction=moved / total_real if total_real else 0.0, background_s=background_s,
+        real_before=[int(v) for v in real],
+        real_after=[int(v) for v in np.bincount(dest[is_real], minlength=w)] if b else [0] * w,
     )
 
 

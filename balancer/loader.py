@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import logging
 import queue
 import threading
@@ -81,22 +80,24 @@ __all__ = ["BalancedLoader"]
 _B = TypeVar("_B", bound=BaseBatch)
 
 
-class _Workloads(functools.partial):  # type: ignore[type-arg]
+class _Workloads:
     """The user's ``workload_fn`` as the shuffler sees it.
 
-    A ``functools.partial`` so that the shuffler's cross-rank configuration
-    check identifies it by the user's function (``partial(<fn>)``), not by
-    this wrapper. ``report``: an exception the producer thread sets just before
-    shuffling a carrier batch, to make this rank's phase 1 fail with it -- the
-    shuffle then raises the same ``ValueError`` naming it on every rank.
+    ``__wrapped__`` makes the shuffler's cross-rank configuration check
+    identify it by the user's function, not by this wrapper. ``report``: an
+    exception the producer thread sets just before shuffling a carrier batch,
+    to make this rank's phase 1 fail with it -- the shuffle then raises the
+    same ``ValueError`` naming it on every rank.
     """
 
-    report: BaseException | None = None
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.__wrapped__ = fn
+        self.report: BaseException | None = None
 
     def __call__(self, batch: Any) -> Any:
         if self.report is not None:
             raise self.report
-        return self.func(batch)
+        return self.__wrapped__(batch)
 
 
 class WrappedLoaderError(RuntimeError):
@@ -491,10 +492,10 @@ def _report(shuffler: BatchShuffler, workloads: _Workloads, carrier: BaseBatch, 
 
 def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
     """Whether any rank still had data at this step (the same answer on every rank)."""
-    if stats.max_before > 0:  # some rank had a real sample: not exhausted
+    if sum(stats.real_before) > 0:  # some rank had a real sample: not exhausted
         return True
-    # No real sample of positive cost anywhere: the end of the pass, or
-    # batches whose samples all cost 0. One flag from every rank decides.
+    # No real sample anywhere: the end of the pass, or every rank's loader gave
+    # a batch of padding only. One flag from every rank decides.
     flag = torch.tensor([0 if exhausted else 1], dtype=torch.int64)
     try:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=signal)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -157,8 +158,10 @@ def _identity(obj: Any) -> str:
     """What ranks compare to check they configured the same callable.
 
     Frozen dataclasses (the estimators) by value; other callables by name --
-    never by ``repr``, which may hold a per-process address.
+    never by ``repr``, which may hold a per-process address. A wrapper that
+    sets ``__wrapped__`` (``functools.wraps``) is identified by what it wraps.
     """
+    obj = inspect.unwrap(obj) if hasattr(obj, "__wrapped__") else obj  # wrappers name what they wrap
     if isinstance(obj, functools.partial):
         return f"partial({_identity(obj.func)})"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

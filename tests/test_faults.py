@@ -286,7 +286,7 @@ def _fault_worker(rank: int, w: int, cases: int) -> list[tuple[str, int, str, st
             kwargs = {"locality": {"locality": not me()}, "comm": {"comm": "allgather" if me() else "all2all"},
                       "partition": {"partition": partition}}[fault]
             s = BatchShuffler(workloads, **kwargs)
-        kind, msg, _ = _outcome(lambda: s.shuffle(batch))
+        kind, msg, _ = _outcome(lambda s=s, batch=batch: s.shuffle(batch))
         out.append((fault, bad, kind, msg))
         if s is not shared:
             s.close()

@@ -79,11 +79,10 @@ def _sync_worker(rank: int, w: int) -> list[dict[str, Any]]:
             # every rank to dense labels, which costs one header-only round.
             batch = make_batch(rank, 8, [8, 5, 8, 0, 6][case] if rank == 1 else 8, seed=10 + case,
                                labels="dense" if case == 4 else "kjt")
-            with _Counter() as counter:
-                with HostReadRecorder() as reads:
-                    h = s.start_shuffle_async(batch)
-                    shuffled = s.finish_shuffle(batch, h)
-                    _downstream(shuffled)
+            with _Counter() as counter, HostReadRecorder() as reads:
+                h = s.start_shuffle_async(batch)
+                shuffled = s.finish_shuffle(batch, h)
+                _downstream(shuffled)
             out.append(dict(comm=comm, reads=reads.calls, collectives=counter.take(), moved=h.stats.comm != "none",
                             real=shuffled.actual_batch_size, relayout=case == 4))
         s.close()

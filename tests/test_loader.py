@@ -263,7 +263,7 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
                          "'sample file",
         "no_weights": "'features.weights dtype': ranks [0, 1]: 'torch.float64'; rank 2: 'absent'",
         "batch_size": "'batch_size': ranks [0, 1]: '4'; rank 2: '5'",
-        "not_a_batch": "batch is a dict, expected a BaseBatch (rank 2)",
+        "not_a_batch": "batch is a dict, expected a BaseBatch or a TokenBatch (rank 2)",
         "empty_loader": "the wrapped loader yielded no batch before step 0",
         "iter_raises": "the wrapped loader raised OSError at step 0: shard file not found",
     }

@@ -46,12 +46,12 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from balancer.config import BalancerConfig
 from balancer.loss import global_loss_value
+from balancer.partition import balanced_partition, karmarkar_karp
 from balancer.pipeline import (
     BalancedPrefetchTrainPipelineSparseDist,
     BalancedTrainPipelineSparseDist,
     create_train_pipeline,
 )
-from balancer.partition import balanced_partition, karmarkar_karp
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from balancer.testing import run_workers
 from balancer.workloads import TokenCount

@@ -150,7 +150,7 @@ def test_token_batches_shuffle_between_ranks() -> None:
         assert before == after, (packed, comm, i)  # every real sample exactly once, tokens intact
         assert per_rank[0][i][6] <= per_rank[0][i][5] + 1e-12
     assert any(r[i][4] != "none" for r in per_rank for i in range(n))  # samples did move
-    for r, res in enumerate(per_rank):
+    for res in per_rank:
         errors = res[-1][1]
         assert "tokens['input_ids'] has" in errors["short"] and "expected sum(seq_lens) * 1" in errors["short"]
         assert "(rank 1)" in errors["short"] and errors["short"] == per_rank[0][-1][1]["short"]
