@@ -160,7 +160,9 @@ def _train(
             pipe.close()
     if shuffler is not None:
         shuffler.close()
-    return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance, "calibrated": calibrated}
+    observations = sum(len(f._times) for f in shuffler._fits.values()) if shuffler is not None else 0
+    return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance, "calibrated": calibrated,
+            "observations": observations}
 
 
 def _batch_id(batch: Any) -> int:
@@ -209,10 +211,14 @@ def test_balanced_pipeline_matches_torchrec_loop_and_unbalanced() -> None:
         _assert_equal(res["on_allgather"], res["loop_on"])
         # ... and like no balancing up to float32 summation order.
         loss_rel, param_abs = _assert_close(res["on"], res["off"])
-        # With online calibration (the pipeline times each batch's forward and
-        # backward), the fitted model takes over and training is unchanged.
+        # With online calibration the pipeline times each batch's forward and
+        # backward, every rank's times reach the fit (2 ranks; a time travels
+        # with a later shuffle), and training is unchanged whichever model the
+        # fit ends on. (Whether this tiny model's times carry a per-sample
+        # signal is noise; tests/test_calibrate.py checks convergence.)
         _assert_close(res["on_calibrated"], res["off"])
-        assert res["on_calibrated"]["calibrated"][-1] and not res["on_calibrated"]["calibrated"][0]
+        assert res["on_calibrated"]["observations"] >= 2 * (STEPS - 4), res["on_calibrated"]["observations"]
+        assert not res["on_calibrated"]["calibrated"][0]
         # Balancing happened: every step has stats, samples moved, balance improved.
         before, after, moved = np.array(res["on"]["imbalance"]).T
         assert len(before) == STEPS and moved.sum() > 0, res["on"]["imbalance"]
