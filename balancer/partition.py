@@ -54,9 +54,10 @@ import numpy as np
 
 from balancer._partition_bound import bound_sorted
 from balancer._partition_kk import kk_equal, kk_free
-from balancer._partition_locality import localize_rows
+from balancer._partition_locality import assign_parts, localize_rows
 from balancer._partition_refine import sort_order
-from balancer._partition_solve import solve
+from balancer._partition_solve import Solved, solve
+from balancer._partition_tokens import cap_tokens, polish_capped
 from balancer._partition_worker import PartitionWorker
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ __all__ = [
 
 # Total workload must stay below this so that doubled sums never overflow int64.
 _MAX_TOTAL = 1 << 61
+_TOKEN_SLACK = 0.01  # default max_tokens: (1 + this) * mean tokens per part
 
 
 def _check_num_parts(num_parts: int) -> None:
@@ -83,32 +85,32 @@ def _check_num_parts(num_parts: int) -> None:
         raise ValueError(f"num_parts={num_parts}, expected >= 1")
 
 
-def _as_workloads(workloads: Any, num_parts: int) -> np.ndarray:
+def _as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np.ndarray:
     """Validate and convert to int64 (integer input) or float64 (float input)."""
     _check_num_parts(num_parts)
     arr = np.asarray(workloads)
     if arr.ndim != 1:
-        raise ValueError(f"workloads has shape {tuple(arr.shape)}, expected 1-D [N]")
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected 1-D [N]")
     n = arr.size
     if n % num_parts:
-        raise ValueError(f"workloads has {n} entries, not divisible by num_parts={num_parts}")
+        raise ValueError(f"{name} has {n} entries, not divisible by num_parts={num_parts}")
     kind = arr.dtype.kind
     if kind in "biu":
         if kind == "u" and n and int(arr.max()) > np.iinfo(np.int64).max:
-            raise ValueError(f"workloads max {int(arr.max())} does not fit in int64")
+            raise ValueError(f"{name} max {int(arr.max())} does not fit in int64")
         x = arr.astype(np.int64, copy=False)
     elif kind == "f":
         x = arr.astype(np.float64, copy=False)
         if n and not np.isfinite(x).all():
             i = int(np.flatnonzero(~np.isfinite(x))[0])
-            raise ValueError(f"workloads[{i}] = {x[i]}, expected a finite value")
+            raise ValueError(f"{name}[{i}] = {x[i]}, expected a finite value")
     else:
-        raise ValueError(f"workloads has dtype {arr.dtype}, expected integers or floats")
+        raise ValueError(f"{name} has dtype {arr.dtype}, expected integers or floats")
     if n and x.min() < 0:
         i = int(np.argmin(x))
-        raise ValueError(f"workloads[{i}] = {x[i]}, expected >= 0")
+        raise ValueError(f"{name}[{i}] = {x[i]}, expected >= 0")
     if n and float(x.sum(dtype=np.float64)) >= _MAX_TOTAL:
-        raise ValueError(f"workloads sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
+        raise ValueError(f"{name} sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
     return x
 
 
@@ -197,7 +199,8 @@ def karmarkar_karp(workloads: Any, num_parts: int, equal_size: bool = True) -> l
 
 
 def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *,
-                       rtol: float = 1e-5, deadline_ms: float | None = None) -> list[list[int]]:
+                       rtol: float = 1e-5, deadline_ms: float | None = None, tokens: Any = None,
+                       max_tokens: float | None = None) -> list[list[int]]:
     """The library's partitioner: a cardinality-aware greedy start, then swap refinement.
 
     Example: workloads ``[9, 1, 8, 2, 7, 3]`` into 2 parts of 3 gives
@@ -226,6 +229,13 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
             at different speeds can then stop at different swaps and return
             *different* partitions, which breaks the shuffler's assumption that
             every rank computes the same one; leave it ``None`` there.
+        tokens: optional [N] second per-sample quantity with a hard per-part
+            cap, e.g. tokens (activation memory) while ``workloads`` is
+            compute. Every part ends with at most ``max_tokens`` of it; the
+            max compute load stays within ``rtol`` of :func:`lower_bound`
+            whenever the cap leaves room (see ``docs/benchmarks_partition.md``).
+        max_tokens: the cap on ``tokens`` per part; default
+            ``1.01 * sum(tokens) / num_parts``.
 
     Returns:
         ``W`` lists of exactly ``B`` sample indices each (each ascending);
@@ -235,19 +245,31 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
         TypeError: ``num_parts`` is not an int.
         ValueError: ``num_parts < 1``; ``workloads`` not 1-D, its length not
             divisible by ``num_parts``, negative, NaN/inf, non-numeric, or
-            summing to 2**61 or more; ``rtol < 0``; ``deadline_ms <= 0``.
+            summing to 2**61 or more; ``rtol < 0``; ``deadline_ms <= 0``;
+            ``tokens`` malformed (as ``workloads``); ``max_tokens`` below what
+            any partition can meet (the message names the cap, the proven
+            minimum and the best cap found).
     """
-    rows = _partition_rows(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms)
+    rows = _partition_rows(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
+                           tokens=tokens, max_tokens=max_tokens)
     if home is not None:
         x = _as_workloads(workloads, num_parts)
         h, s = _check_home(home, sizes, x.size, num_parts)
-        rows = localize_rows(x, rows, h, s)
+        local = localize_rows(x, rows, h, s)
+        if tokens is not None:
+            # localize trades items by compute alone; keep its result only if
+            # the token cap still holds, else just assign whole parts to ranks.
+            t = _as_workloads(tokens, num_parts, "tokens")
+            if t[local].sum(axis=1).max() > _token_cap(t, num_parts, max_tokens):
+                local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
+        rows = local
     out: list[list[int]] = rows.tolist()
     return out
 
 
 def _partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
-                    deadline_ms: float | None = None) -> np.ndarray:
+                    deadline_ms: float | None = None, tokens: Any = None,
+                    max_tokens: float | None = None) -> np.ndarray:
     """:func:`balanced_partition` without ``home``, as an int64 array [W, B] (rows ascending).
 
     Building ``W`` Python lists costs ~10 ms at N = 262,144 (more than the
@@ -262,12 +284,62 @@ def _partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
     start = time.perf_counter()
     n, w = x.size, num_parts
     b = n // w
+    t = None if tokens is None else _as_workloads(tokens, num_parts, "tokens")
+    if t is not None and t.size != n:
+        raise ValueError(f"tokens has {t.size} entries, expected {n} (one per workload)")
     if b <= 1 or w == 1:
-        return np.arange(n, dtype=np.int64).reshape(w, b)
+        rows = np.arange(n, dtype=np.int64).reshape(w, b)
+        if t is not None:
+            _check_tokens_met(t, rows, _token_cap(t, w, max_tokens), w, None)
+        return rows
     stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
     sol = solve(x, w, rtol, stop_at)
-    rows: np.ndarray = np.sort(sol.order[sol.rows], axis=1)
+    if t is not None:
+        sol.rows = _cap_tokens(sol, t, w, rtol, max_tokens)
+    rows = np.sort(sol.order[sol.rows], axis=1)
     return rows
+
+
+def _token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
+    if max_tokens is None:
+        return (1 + _TOKEN_SLACK) * float(t.sum()) / w
+    if not max_tokens >= 0:
+        raise ValueError(f"max_tokens={max_tokens}, expected >= 0")
+    return float(max_tokens)
+
+
+def _cap_tokens(sol: Solved, t: np.ndarray, w: int, rtol: float,
+                max_tokens: float | None) -> np.ndarray:
+    """``sol.rows`` changed so that every part has at most the token cap (or raise)."""
+    cap = _token_cap(t, w, max_tokens)
+    floor = bound_sorted(np.sort(t), w)
+    if cap < floor:
+        raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+                         f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
+    v, rows, loads = sol.vals, sol.rows.copy(), sol.loads.copy()
+    target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
+    tok = t[sol.order]
+    steps = 4 * w + 64
+    if not cap_tokens(v, tok, rows, loads, cap, sol.bound, steps):
+        # Start from the partition that balances tokens alone instead.
+        alt = solve(t, w, 1e-5)
+        rank = np.empty(t.size, np.int64)
+        rank[sol.order] = np.arange(t.size)
+        rows = np.sort(rank[alt.order[alt.rows]], axis=1)
+        _check_tokens_met(tok, rows, cap, w, floor)
+        loads = v[rows].sum(axis=1)
+    polish_capped(v, tok, rows, loads, cap, target, steps)
+    return rows
+
+
+def _check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
+                      floor: int | float | None) -> None:
+    best = tok[rows].sum(axis=1).max().item()
+    if best > cap:
+        if floor is None:
+            floor = bound_sorted(np.sort(tok), w)
+        raise ValueError(f"max_tokens={cap:g} cannot be met: the best partition found has {best} "
+                         f"tokens in a part; no partition has fewer than {floor}")
 
 
 def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
