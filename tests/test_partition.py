@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from reference import greedy
 
 from balancer.partition import (
