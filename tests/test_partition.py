@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from reference import greedy
 
 from balancer.partition import (
     PartitionStats,
@@ -19,6 +18,7 @@ from balancer.partition import (
     lower_bound,
     partition_stats,
 )
+from tests.reference import greedy
 
 
 def _lengths(dist: str, n: int, rng: np.random.Generator) -> np.ndarray:
