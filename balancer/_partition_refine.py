@@ -108,9 +108,13 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     # cheap or when those had no swap.
     few = w - 1 > 3 * _PARTNERS and (w - 1) * b > _BUDGET
     full = not few
-    owner = np.empty(rows.size, np.int64)
+    # Owners of the 2K smallest items only (scattering all N owners costs more
+    # than a whole polish at N = 262,144).
+    small = min(2 * _PARTNERS, rows.size)
+    owner = np.zeros(small, np.int64)
     if few:
-        owner[rows] = np.arange(w)[:, None]
+        r, c = np.nonzero(rows < small)
+        owner[rows[r, c]] = r
     budget = max_items if max_items is not None else -1
     sorted_at = -_REORDER
     order = np.arange(w)
@@ -128,7 +132,7 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                 # than the step itself at W = 8192.
                 order, sorted_at = order_floats(loads), steps
             cand = np.unique(np.concatenate(
-                [order[:_PARTNERS], order[-_PARTNERS - 1 :], owner[: 2 * _PARTNERS]]))
+                [order[:_PARTNERS], order[-_PARTNERS - 1 :], owner]))
             cand = cand[cand != p]
         if budget > 0:
             if cand.size * b > budget and full and few:
@@ -152,7 +156,10 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         rows[p, ia], rows[q, jb] = rb, ra
         rows[p].sort()
         rows[q].sort()
-        owner[ra], owner[rb] = q, p
+        if ra < small:
+            owner[ra] = q
+        if rb < small:
+            owner[rb] = p
         loads[p] -= d
         loads[q] += d
         steps += 1

@@ -37,8 +37,12 @@ _HEAP_MAX_ITEMS = 2048  # exact LPT (pure Python heap, ~0.25 us per item) up to 
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
 _FILL_ROWS = 64  # fill deals ~B / _FILL_ROWS rows per step (about 64 steps per partition)
 _ROUNDS = 8  # parallel swap rounds
-_ROUND_ITEMS = 1 << 15  # items searched per parallel round (all heavy parts together)
-_POLISH_ITEMS = 1 << 16  # items searched by the single-swap polish in total
+# Work budget (partner items searched): per parallel round, and for the whole
+# single-swap polish. Large inputs get less: their start is already within
+# ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
+_ROUND_ITEMS = (1 << 15, 1 << 13)  # N <= _LARGE, N > _LARGE
+_POLISH_ITEMS = (1 << 16, 1 << 13)
+_LARGE = 1 << 16
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 
@@ -96,9 +100,10 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
            stop_at: float | None = None) -> None:
     """Swap refinement of ``rows``/``loads`` in place, under the work budget."""
     w, b = rows.shape
-    swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b), _ROUND_ITEMS, stop_at)
+    large = int(v.size > _LARGE)
+    swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b), _ROUND_ITEMS[large], stop_at)
     if loads.max() > target and not _late(stop_at):
-        polish(v, rows, loads, target, 4 * w + 32, _POLISH_ITEMS, stop_at)
+        polish(v, rows, loads, target, 4 * w + 32, _POLISH_ITEMS[large], stop_at)
     if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
         polish_pairs(v, rows, loads, target, _PAIR_STEPS)
 
