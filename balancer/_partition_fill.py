@@ -49,7 +49,8 @@ __all__ = ["fill"]
 _BAND = 0.5  # a step deals only items >= _BAND * the largest remaining one
 
 
-def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: int) -> np.ndarray:
+def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
+         rows_per_step: int) -> tuple[np.ndarray, np.ndarray]:
     """Projected-load greedy on ascending ``vals``; see the module docstring.
 
     Args:
@@ -61,7 +62,8 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: in
             (1 follows the one-item rule closely; more is faster and coarser).
 
     Returns:
-        [W, N / W] int64 sorted positions per part, each row ascending.
+        ``(rows, loads)``: [W, N / W] int64 sorted positions per part (each row
+        ascending) and [W] part loads (exact for int64 input).
     """
     n = vals.size
     w = num_parts
@@ -69,8 +71,9 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: in
     flat = np.empty(n, np.int64)
     is_int = vals.dtype.kind != "f"
     ids = np.arange(w, dtype=np.int64)  # open parts, in the order of the last sort
-    load = np.zeros(w, np.float64)  # decisions only; exact loads are recomputed by the caller
+    load = np.zeros(w, vals.dtype)  # exact for integers
     slots = np.full(w, cap, np.int64)
+    loads = np.zeros(w, vals.dtype)  # by part id, filled in as parts close
     pos = n  # vals[:pos] are still to be dealt, largest first
     while pos > 0:
         x0 = vals[pos - 1]
@@ -79,6 +82,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: in
             starts = np.cumsum(slots) - slots
             col = np.arange(pos) - np.repeat(starts, slots)
             flat[np.repeat(ids, slots) * cap + col] = np.arange(pos)
+            slots[:] = 0
             break
         parts = ids.size
         thr = int(np.ceil(_BAND * float(x0))) if is_int else _BAND * float(x0)
@@ -91,7 +95,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: in
         proj = load + slots * mu
         # The parts are kept in the previous step's order, which is mostly
         # still right: timsort is ~2x faster than quicksort on that.
-        order = order_floats(proj, nearly_sorted=True)
+        order = order_floats(proj, nearly_sorted=True, nonneg=True)
         ids, load, slots, proj = ids[order], load[order], slots[order], proj[order]
         if k >= parts and proj[-1] - proj[0] < e0:
             # All parts lie within one item of each other: full rounds.
@@ -115,9 +119,11 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray, rows_per_step: in
         pos = _deal(vals, flat, cap, ids, load, slots, owed, pos)
         if not slots[: owed.size].all():
             keep = slots > 0
+            loads[ids[~keep]] = load[~keep]
             ids, load, slots = ids[keep], load[keep], slots[keep]
+    loads[ids] = load
     rows: np.ndarray = flat.reshape(w, cap)
-    return rows
+    return rows, loads
 
 
 def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: np.ndarray,
@@ -158,7 +164,7 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         part = who[np.arange(rnd.size) - (np.cumsum(per_round) - per_round)[rnd]]
         t = rnd.size
         flat[ids[part] * cap + (slots[part] - 1) - rnd] = np.arange(pos - 1, pos - 1 - t, -1)
-        load[:m] += np.bincount(part, weights=vals[pos - t : pos][::-1], minlength=m)
+        np.add.at(load, part, vals[pos - t : pos][::-1])  # same dtype: numpy's fast path
         slots[:m] -= np.bincount(part, minlength=m)
         pos -= t
     return pos

@@ -80,8 +80,11 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     target = bound * (1 + rtol) if rtol > 0 else bound
     if v.dtype.kind == "i":
         target = int(target)
-    rows = lpt(v, w) if n <= _HEAP_MAX_ITEMS else fill(v, w, prefix, max(1, b // _FILL_ROWS))
-    loads = v[rows].sum(axis=1)
+    if n <= _HEAP_MAX_ITEMS:
+        rows = lpt(v, w)
+        loads = v[rows].sum(axis=1)
+    else:
+        rows, loads = fill(v, w, prefix, max(1, b // _FILL_ROWS))
     if loads.max() > target and n <= _KK_MAX_ITEMS:
         # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK into
         # a long chain of single merges, visible in its first round.
