@@ -34,14 +34,68 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cap_tokens", "polish_capped"]
+from balancer._partition_bound import bound_sorted
+from balancer._partition_solve import Solved, solve
 
+__all__ = ["apply_token_cap", "cap_tokens", "check_tokens_met", "polish_capped", "token_cap"]
+
+_TOKEN_SLACK = 0.01  # default max_tokens: (1 + this) * mean tokens per part
 Move = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (p, q, columns in p, columns in q)
 
 _PARTNERS = 6  # partners searched per step: the most token room / least compute
 _PAIR_CANDIDATES = 8192  # two-for-two candidates checked per pair at most
 # Repair: compute may rise to max(current max, bound * (1 + s)), smallest s first.
 _SLACK = (1e-4, 1e-3, 1e-2, 1.0)
+
+
+def token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
+    """``max_tokens``, or by default ``(1 + _TOKEN_SLACK)`` times the mean per part."""
+    if max_tokens is None:
+        return (1 + _TOKEN_SLACK) * float(t.sum()) / w
+    if not max_tokens >= 0:
+        raise ValueError(f"max_tokens={max_tokens}, expected >= 0")
+    return float(max_tokens)
+
+
+def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
+                    max_tokens: float | None) -> np.ndarray:
+    """``sol.rows`` changed so that every part has at most the token cap (or raise).
+
+    Raises:
+        ValueError: the cap is below ``lower_bound(tokens)`` (no partition meets
+            it), or neither the repaired partition nor the one that balances
+            tokens alone meets it.
+    """
+    cap = token_cap(t, w, max_tokens)
+    floor = bound_sorted(np.sort(t), w)
+    if cap < floor:
+        raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+                         f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
+    v, rows, loads = sol.vals, sol.rows.copy(), sol.loads.copy()
+    target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
+    tok = t[sol.order]
+    steps = 4 * w + 64
+    if not cap_tokens(v, tok, rows, loads, cap, sol.bound, steps):
+        # Start from the partition that balances tokens alone instead.
+        alt = solve(t, w, 1e-5)
+        rank = np.empty(t.size, np.int64)
+        rank[sol.order] = np.arange(t.size)
+        rows = np.sort(rank[alt.order[alt.rows]], axis=1)
+        check_tokens_met(tok, rows, cap, w, floor)
+        loads = v[rows].sum(axis=1)
+    polish_capped(v, tok, rows, loads, cap, target, steps)
+    return rows
+
+
+def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
+                     floor: int | float | None) -> None:
+    """Raise ``ValueError`` (cap, best found, proven minimum) if a part of ``rows`` exceeds ``cap``."""
+    best = tok[rows].sum(axis=1).max().item()
+    if best > cap:
+        if floor is None:
+            floor = bound_sorted(np.sort(tok), w)
+        raise ValueError(f"max_tokens={cap:g} cannot be met: the best partition found has {best} "
+                         f"tokens in a part; no partition has fewer than {floor}")
 
 
 def cap_tokens(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,

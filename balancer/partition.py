@@ -62,8 +62,8 @@ from balancer._partition_bound import bound_sorted
 from balancer._partition_kk import kk_equal, kk_free
 from balancer._partition_locality import assign_parts, localize_rows
 from balancer._partition_refine import sort_order
-from balancer._partition_solve import Solved, solve
-from balancer._partition_tokens import cap_tokens, polish_capped
+from balancer._partition_solve import solve
+from balancer._partition_tokens import apply_token_cap, check_tokens_met, token_cap
 from balancer._partition_worker import PartitionWorker
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,6 @@ __all__ = [
 
 # Total workload must stay below this so that doubled sums never overflow int64.
 _MAX_TOTAL = 1 << 61
-_TOKEN_SLACK = 0.01  # default max_tokens: (1 + this) * mean tokens per part
 
 
 def _check_num_parts(num_parts: int) -> None:
@@ -266,7 +265,7 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
             # localize trades items by compute alone; keep its result only if
             # the token cap still holds, else just assign whole parts to ranks.
             t = _as_workloads(tokens, num_parts, "tokens")
-            if t[local].sum(axis=1).max() > _token_cap(t, num_parts, max_tokens):
+            if t[local].sum(axis=1).max() > token_cap(t, num_parts, max_tokens):
                 local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
         rows = local
     out: list[list[int]] = rows.tolist()
@@ -296,56 +295,14 @@ def _partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
     if b <= 1 or w == 1:
         rows = np.arange(n, dtype=np.int64).reshape(w, b)
         if t is not None:
-            _check_tokens_met(t, rows, _token_cap(t, w, max_tokens), w, None)
+            check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
         return rows
     stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
     sol = solve(x, w, rtol, stop_at)
     if t is not None:
-        sol.rows = _cap_tokens(sol, t, w, rtol, max_tokens)
+        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens)
     rows = np.sort(sol.order[sol.rows], axis=1)
     return rows
-
-
-def _token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
-    if max_tokens is None:
-        return (1 + _TOKEN_SLACK) * float(t.sum()) / w
-    if not max_tokens >= 0:
-        raise ValueError(f"max_tokens={max_tokens}, expected >= 0")
-    return float(max_tokens)
-
-
-def _cap_tokens(sol: Solved, t: np.ndarray, w: int, rtol: float,
-                max_tokens: float | None) -> np.ndarray:
-    """``sol.rows`` changed so that every part has at most the token cap (or raise)."""
-    cap = _token_cap(t, w, max_tokens)
-    floor = bound_sorted(np.sort(t), w)
-    if cap < floor:
-        raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
-                         f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
-    v, rows, loads = sol.vals, sol.rows.copy(), sol.loads.copy()
-    target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
-    tok = t[sol.order]
-    steps = 4 * w + 64
-    if not cap_tokens(v, tok, rows, loads, cap, sol.bound, steps):
-        # Start from the partition that balances tokens alone instead.
-        alt = solve(t, w, 1e-5)
-        rank = np.empty(t.size, np.int64)
-        rank[sol.order] = np.arange(t.size)
-        rows = np.sort(rank[alt.order[alt.rows]], axis=1)
-        _check_tokens_met(tok, rows, cap, w, floor)
-        loads = v[rows].sum(axis=1)
-    polish_capped(v, tok, rows, loads, cap, target, steps)
-    return rows
-
-
-def _check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
-                      floor: int | float | None) -> None:
-    best = tok[rows].sum(axis=1).max().item()
-    if best > cap:
-        if floor is None:
-            floor = bound_sorted(np.sort(tok), w)
-        raise ValueError(f"max_tokens={cap:g} cannot be met: the best partition found has {best} "
-                         f"tokens in a part; no partition has fewer than {floor}")
 
 
 def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
