@@ -3,11 +3,12 @@
 1. :func:`sort_values` (tie-free keys) and prefix sums, shared by the bound
    and the start;
 2. :func:`bound_sorted`: the target is ``bound * (1 + rtol)``;
-3. the start: exact capped LPT (a heap loop, ``lpt``) for small inputs, where
-   it costs < 0.3 ms and refinement closes the rest; the projected-load greedy
-   :func:`fill` at scale (cardinality-aware, ``O(B / rows_per_step)`` numpy
-   steps). If the start misses the target and the input is small, equal-size
-   Karmarkar-Karp is tried too (it starts ~10x closer on smooth inputs);
+3. the start: capped LPT (``lpt``: a heap loop, or vectorised over parts for
+   W >= 40) up to N = 8192, where it is the cheaper start and refinement
+   closes the rest; the projected-load greedy :func:`fill` at scale
+   (cardinality-aware, ``O(B / rows_per_step)`` numpy steps). If the start
+   misses the target and the input is small, equal-size Karmarkar-Karp is
+   tried too (it starts ~10x closer on smooth inputs);
 4. swap refinement under a *work budget*: parallel rounds, single best swaps
    for the heaviest part, two-for-two swaps for few parts. Every swap keeps
    the item counts and never raises the max, so stopping early is always safe.
@@ -33,15 +34,15 @@ from balancer._partition_refine import polish, polish_pairs, sort_values, swap_r
 
 __all__ = ["Solved", "solve"]
 
-_HEAP_MAX_ITEMS = 2048  # exact LPT (pure Python heap, ~0.25 us per item) up to here
+_LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
 _FILL_ROWS = 64  # fill deals ~B / _FILL_ROWS rows per step (about 64 steps per partition)
 _ROUNDS = 8  # parallel swap rounds
 # Work budget (partner items searched): per parallel round, and for the whole
 # single-swap polish. Large inputs get less: their start is already within
 # ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
-_ROUND_ITEMS = (1 << 15, 1 << 13)  # N <= _LARGE, N > _LARGE
-_POLISH_ITEMS = (1 << 16, 1 << 13)
+_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)  # N <= _LARGE, N > _LARGE
+_POLISH_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)  # (None: 4W + 32 swaps)
 _LARGE = 1 << 16
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
@@ -80,7 +81,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     target = bound * (1 + rtol) if rtol > 0 else bound
     if v.dtype.kind == "i":
         target = int(target)
-    if n <= _HEAP_MAX_ITEMS:
+    if n <= _LPT_MAX_ITEMS:
         rows = lpt(v, w)
         loads = v[rows].sum(axis=1)
     else:

@@ -9,8 +9,8 @@ Pipeline of :func:`balanced_partition` (``x`` = workloads; the steps live in
 
 1. sort ``x`` once (tie-free keys ``x << log2 N | index``, one plain sort), and
    compute :func:`lower_bound` from the same prefix sums;
-2. a greedy start with a cardinality cap. Small inputs (N <= 2048): exact LPT
-   (largest item to the lightest part that still has room), with equal-size
+2. a greedy start with a cardinality cap. Up to N = 8192: LPT (largest
+   item to the lightest part that still has room), with equal-size
    Karmarkar-Karp tried too when LPT misses the target (KK starts ~10x closer
    on smooth inputs). Larger inputs: the projected-load greedy
    (``_partition_fill``: serve the part with the smallest ``load + free slots
