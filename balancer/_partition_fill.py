@@ -47,6 +47,7 @@ from balancer._partition_refine import order_floats
 __all__ = ["fill"]
 
 _BAND = 0.5  # a step deals only items >= _BAND * the largest remaining one
+_FEW = 64  # _deal: rounds over more parts than this go one by one
 
 
 def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
@@ -151,12 +152,26 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         slots[:m] -= width
         pos -= width * m
         total -= width * m
-    if total > 0:
-        # The rest (parts far below the level, owed several items): round r
-        # serves those still owed more than r. Ordered by what they are owed
-        # (stable: projection order within equal counts) each round is a prefix.
-        who = np.flatnonzero(owed > width)
-        need = owed[who] - width
+    # Further rounds, each over the parts still owed: a slice-free loop while
+    # many parts take part, then one vectorised pass for the few stragglers
+    # that are owed many items (parts far below the level).
+    who = np.flatnonzero(owed > width)
+    r = width
+    while total > 0 and who.size > _FEW:
+        now = who[: min(who.size, total)]
+        t = now.size
+        flat[ids[now] * cap + (slots[now] - 1)] = np.arange(pos - 1, pos - 1 - t, -1)
+        load[now] += vals[pos - t : pos][::-1]
+        slots[now] -= 1
+        pos -= t
+        total -= t
+        r += 1
+        who = who[owed[who] > r]
+    if total > 0 and who.size:
+        # Round r' serves those still owed more than r'. Ordered by what they
+        # are owed (stable: projection order within equal counts) each round
+        # is a prefix.
+        need = owed[who] - r
         by_need = np.argsort(-need, kind="stable")
         who, need = who[by_need], need[by_need]
         per_round = np.bincount(need, minlength=int(need[0]) + 1)[:0:-1].cumsum()[::-1]

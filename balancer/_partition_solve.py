@@ -36,13 +36,15 @@ __all__ = ["Solved", "solve"]
 
 _LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
-_FILL_ROWS = 64  # fill deals ~B / _FILL_ROWS rows per step (about 64 steps per partition)
-_ROUNDS = 8  # parallel swap rounds
+# fill deals ~B / _FILL_ROWS rows per step (~64 steps; ~32 from B = 256 on, where
+# the parts are few and the items many, so coarser steps lose nothing measurable)
+_FILL_ROWS = 64
+_ROUNDS = (8, 2)  # parallel swap rounds, N <= _LARGE and N > _LARGE
 # Work budget (partner items searched): per parallel round, and for the whole
 # single-swap polish. Large inputs get less: their start is already within
 # ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
-_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)  # N <= _LARGE, N > _LARGE
-_POLISH_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)  # (None: 4W + 32 swaps)
+_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)
+_POLISH_ITEMS: tuple[int | None, int | None] = (None, 1 << 12)  # (None: 4W + 32 swaps)
 _LARGE = 1 << 16
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
@@ -85,7 +87,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         rows = lpt(v, w)
         loads = v[rows].sum(axis=1)
     else:
-        rows, loads = fill(v, w, prefix, max(1, b // _FILL_ROWS))
+        rows, loads = fill(v, w, prefix, max(1, b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2)))
     if loads.max() > target and n <= _KK_MAX_ITEMS:
         # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK into
         # a long chain of single merges, visible in its first round.
@@ -105,7 +107,8 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     """Swap refinement of ``rows``/``loads`` in place, under the work budget."""
     w, b = rows.shape
     large = int(v.size > _LARGE)
-    swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b), _ROUND_ITEMS[large], stop_at)
+    swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
+                stop_at)
     if loads.max() > target and not _late(stop_at):
         polish(v, rows, loads, target, 4 * w + 32, _POLISH_ITEMS[large], stop_at)
     if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
