@@ -1,23 +1,32 @@
-"""Benchmark of ``balancer.partition``: quality, speed, GIL contention, locality.
+"""Benchmark of ``balancer.partition``: quality, speed, scale, GIL contention, locality, memory.
 
 One command::
 
     .venv/bin/python benchmarks/bench_partition.py [--quick] [--seeds 3] [--json-out out.jsonl]
+        [--plot docs/img/partition_time.png] [--before 07a7679] [--only scale,curves]
 
-Prints four tables and writes one JSON line per measurement (plus one header
-line with hardware and versions) to ``--json-out``:
+Prints up to six tables and writes one JSON line per measurement (plus one
+header line with hardware, versions and load) to ``--json-out``:
 
 1. quality (``max load / lower_bound - 1``, median and worst over seeds) and
    time per call for: no balancing (contiguous chunks), greedy LPT with a
    cardinality cap (textbook heap), textbook heap Karmarkar-Karp, our
-   ``karmarkar_karp`` and our ``balanced_partition``;
-2. partition time against N (``--plot`` writes docs/img/partition_time.png);
-3. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
-   while the main thread does a fixed amount of Python-bound or torch-op-bound
-   work per step; main-thread slowdown and partition latency alone vs under
-   contention;
-4. locality: fraction of samples (and bytes) that move between ranks with a
-   placement-blind assignment vs ``localize``.
+   ``karmarkar_karp``, our ``balanced_partition`` and the same function as of
+   the ``--before`` commit;
+2. before / after at scale: N up to 262,144 (8192x32 ... 256x1024), quality
+   over seeds and time per call, the two versions taking turns (machine noise
+   hits both alike); "array" times the partition without building lists;
+3. time against N (W x 32) and against W at N = 131,072 (``--plot`` draws it);
+4. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
+   (or the ``PartitionWorker`` child) while the main thread does a fixed
+   amount of Python-bound or torch-op-bound work per step; main-thread
+   slowdown and partition latency alone vs under contention;
+5. locality: fraction of samples (and bytes) that move between ranks with a
+   placement-blind assignment vs ``localize``;
+6. compute and memory: compute balanced with a cap on tokens per rank.
+
+The ``--before`` reference is loaded from git (``git show``) into a temporary
+package, so both versions run in one process.
 
 Workloads are ``L^2 + 1024 L`` for lengths ``L`` drawn from uniform[1, 4096],
 lognormal(6, 1) clipped to 8192, zipf(1.2) clipped at 4096, and lognormal with
@@ -493,10 +502,9 @@ def _plot_scaling(pts: dict[str, list[tuple[int, int, dict[str, float]]]], plot:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    out = os.path.join(os.path.dirname(plot) or ".", "partition_scaling.png")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    fig.savefig(out, dpi=120)
-    print(f"\nplot written to {out}")
+    os.makedirs(os.path.dirname(plot) or ".", exist_ok=True)
+    fig.savefig(plot, dpi=120)
+    print(f"\nplot written to {plot}")
 
 
 # ----------------------------------------------------------------- 6. compute and memory
@@ -535,8 +543,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small subset (~1 min)")
     ap.add_argument("--seeds", type=int, default=None, help="instances per config (default 3, quick 1)")
     ap.add_argument("--json-out", default=None, help="write JSON lines here")
-    ap.add_argument("--plot", default=None,
-                    help="PNG path in the plot directory (partition_scaling.png is written there)")
+    ap.add_argument("--plot", default=None, help="write the scaling plot (time vs N and vs W) here")
     ap.add_argument("--before", default="07a7679",
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
