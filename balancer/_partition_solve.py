@@ -44,8 +44,9 @@ _ROUNDS = (8, 2)  # parallel swap rounds, N <= _LARGE and N > _LARGE
 # single-swap polish. Large inputs get less: their start is already within
 # ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
 _ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)
-_POLISH_ITEMS: tuple[int | None, int | None] = (None, 1 << 12)  # (None: 4W + 32 swaps)
-_LARGE = 1 << 16
+_POLISH_ITEMS: tuple[int | None, int | None] = (1 << 18, 1 << 12)
+_POLISH_STEPS = 128  # single swaps at most (and 4W + 32): each costs ~15 numpy calls
+_LARGE = 1 << 14
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 
@@ -110,7 +111,7 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
                 stop_at)
     if loads.max() > target and not _late(stop_at):
-        polish(v, rows, loads, target, 4 * w + 32, _POLISH_ITEMS[large], stop_at)
+        polish(v, rows, loads, target, min(4 * w + 32, _POLISH_STEPS), _POLISH_ITEMS[large], stop_at)
     if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
         polish_pairs(v, rows, loads, target, _PAIR_STEPS)
 
