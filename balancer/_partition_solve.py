@@ -39,11 +39,11 @@ _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
 # fill deals ~B / _FILL_ROWS rows per step (~64 steps; ~32 from B = 256 on, where
 # the parts are few and the items many, so coarser steps lose nothing measurable)
 _FILL_ROWS = 64
-_ROUNDS = (8, 2)  # parallel swap rounds, N <= _LARGE and N > _LARGE
+_ROUNDS = (8, 3)  # parallel swap rounds, N <= _LARGE and N > _LARGE
 # Work budget (partner items searched): per parallel round, and for the whole
 # single-swap polish. Large inputs get less: their start is already within
 # ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
-_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 13)
+_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 14)
 _POLISH_ITEMS: tuple[int | None, int | None] = (1 << 18, 1 << 12)
 _POLISH_STEPS = 128  # single swaps at most (and 4W + 32): each costs ~15 numpy calls
 _LARGE = 1 << 14
