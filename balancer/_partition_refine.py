@@ -20,28 +20,69 @@ much denser, which closes the last gap to the bound.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["polish", "polish_pairs", "sort_order", "swap_rounds"]
+__all__ = ["order_floats", "polish", "polish_pairs", "sort_order", "sort_values", "swap_rounds"]
 
 _PARTNERS = 8
+_REORDER = 8  # polish: re-sort the loads for partner choice every this many swaps
 _BUDGET = 8192  # polish: partner items searched per step (all parts below this)
 _ROUND_BUDGET = 2048  # swap_rounds: partner items searched per heavy part
 
 
 def sort_order(x: np.ndarray) -> np.ndarray:
     """Ascending order of ``x`` with ties by index, the same on every platform."""
+    return sort_values(x)[0]
+
+
+def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, x[order])``: ascending, ties by index, the same on every platform.
+
+    Non-negative int64 below ``2**62 / 2**ceil(log2 N)`` (every workload the
+    benchmarks see) is sorted as unique keys ``x << bits | index`` with a plain
+    ``np.sort`` -- any algorithm, SIMD or not, gives the same result -- and
+    both outputs are read back from the keys with a shift and a mask: ~4x
+    faster than a stable argsort plus a gather at N = 262,144. Anything else
+    takes the stable argsort.
+    """
     n = x.size
-    if x.dtype.kind == "i" and n and int(x.max()) < (1 << 62) // n:
-        # Unique keys: any sort algorithm (SIMD or not) gives the same order.
-        return np.argsort(x * n + np.arange(n, dtype=np.int64))
-    return np.argsort(x, kind="stable")
+    bits = max(1, (n - 1).bit_length())
+    if x.dtype.kind == "i" and n and int(x.min()) >= 0 and int(x.max()) < 1 << (62 - bits):
+        keys = (x << bits) | np.arange(n, dtype=np.int64)
+        keys.sort()
+        return keys & ((1 << bits) - 1), keys >> bits
+    order = np.argsort(x, kind="stable")
+    return order, x[order]
+
+
+def order_floats(keys: np.ndarray, nearly_sorted: bool = False, nonneg: bool = False) -> np.ndarray:
+    """Ascending order of ``keys`` (cast to float64), ties broken by index.
+
+    The keys are mapped to order-preserving int64 (IEEE bits, negatives
+    flipped), their lowest ``log2(n)`` mantissa bits are replaced by the index
+    and one plain ``np.sort`` orders the unique keys -- ~6x faster than a
+    stable argsort at 8192 keys, and the same on every machine (unique keys:
+    every algorithm agrees). Keys within ~2^-40 of each other (relative) count
+    as ties (broken by index). ``nearly_sorted`` picks timsort, ~2x faster on
+    keys that are mostly in order already and ~5x slower on random ones.
+    ``nonneg`` (all keys >= 0, whose IEEE bits already sort as integers) saves
+    the sign flip.
+    """
+    n = keys.size
+    bits = max(1, (n - 1).bit_length())
+    k = np.ascontiguousarray(keys, dtype=np.float64).view(np.int64)
+    mono = k if nonneg else k ^ ((k >> 63) & np.int64(0x7FFF_FFFF_FFFF_FFFF))
+    packed = ((mono >> bits) << bits) | np.arange(n, dtype=np.int64)
+    packed.sort(kind="stable" if nearly_sorted else "quicksort")
+    out: np.ndarray = packed & np.int64((1 << bits) - 1)
+    return out
 
 
 def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
-           max_steps: int) -> int:
+           max_steps: int, max_items: int | None = None, stop_at: float | None = None) -> int:
     """Improve ``rows`` in place until the max load is ``<= target``.
 
     Args:
@@ -50,6 +91,9 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         loads: [W] part sums ``vals[rows].sum(1)``; updated in place.
         target: stop once the max load is at most this (e.g. the lower bound).
         max_steps: at most this many swaps.
+        max_items: stop once the steps searched this many partner items in
+            total (the work budget; ``None``: no limit).
+        stop_at: stop at this ``time.perf_counter()`` value (checked per step).
 
     Returns:
         The number of swaps made.
@@ -66,20 +110,36 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     # cheap or when those had no swap.
     few = w - 1 > 3 * _PARTNERS and (w - 1) * b > _BUDGET
     full = not few
-    owner = np.empty(rows.size, np.int64)
+    # Owners of the 2K smallest items only (scattering all N owners costs more
+    # than a whole polish at N = 262,144).
+    small = min(2 * _PARTNERS, rows.size)
+    owner = np.zeros(small, np.int64)
     if few:
-        owner[rows] = np.arange(w)[:, None]
+        r, c = np.nonzero(rows < small)
+        owner[rows[r, c]] = r
+    budget = max_items if max_items is not None else -1
+    sorted_at = -_REORDER
+    order = np.arange(w)
     while steps < max_steps:
         p = int(np.argmax(loads))
         lp = loads[p]
-        if lp <= target:
+        if lp <= target or budget == 0 or (stop_at is not None and time.perf_counter() >= stop_at):
             break
         if full:
             cand = np.delete(np.arange(w), p)
         else:
-            order = np.argsort(loads, kind="stable")
+            if steps >= sorted_at + _REORDER:
+                # Partners from a load order at most _REORDER swaps old: a
+                # swap moves two parts, sorting W loads per step costs more
+                # than the step itself at W = 8192.
+                order, sorted_at = order_floats(loads), steps
             cand = np.unique(np.concatenate(
-                [order[:_PARTNERS], order[-_PARTNERS - 1 : -1], owner[: 2 * _PARTNERS]]))
+                [order[:_PARTNERS], order[-_PARTNERS - 1 :], owner]))
+            cand = cand[cand != p]
+        if budget > 0:
+            if cand.size * b > budget and full and few:
+                break  # the all-parts fallback does not fit in what is left
+            budget = max(0, budget - cand.size * b)
         a2 = 2 * vals[rows[p]]  # ascending
         vq = vals[rows[cand]]  # [K, B]
         gap = lp - loads[cand]  # [K], > 0 unless tied with the max
@@ -98,7 +158,10 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
         rows[p, ia], rows[q, jb] = rb, ra
         rows[p].sort()
         rows[q].sort()
-        owner[ra], owner[rb] = q, p
+        if ra < small:
+            owner[ra] = q
+        if rb < small:
+            owner[rb] = p
         loads[p] -= d
         loads[q] += d
         steps += 1
@@ -135,7 +198,8 @@ def _search_rows(keys: np.ndarray, queries: np.ndarray, span: int | None = None)
 
 
 def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
-                max_rounds: int, partners: int = 8) -> int:
+                max_rounds: int, partners: int = 8, max_items: int | None = None,
+                stop_at: float | None = None) -> int:
     """Parallel swap rounds for every part above ``target``.
 
     The ``m`` parts above target (at most ``W // 2``), heaviest first, meet the
@@ -145,7 +209,9 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     parts among themselves instead (heaviest with least heavy), which is what
     parts sharing one huge item each need to even out their fillers. One round
     is ~25 numpy calls on ``m * partners * B`` elements and fixes up to ``m``
-    parts; two rounds in a row without a swap end it.
+    parts; two rounds in a row without a swap end it. With ``max_items`` a
+    round searches at most that many partner items (fewer partners, then only
+    the heaviest parts); ``stop_at`` is a ``time.perf_counter()`` deadline.
 
     Returns:
         The number of swaps made.
@@ -155,15 +221,19 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
     idle = 0  # consecutive rounds without a swap
     for rnd in range(max_rounds):
-        order = np.argsort(loads, kind="stable")
+        order = order_floats(loads)
         m = min(int(np.count_nonzero(loads > target)), w // 2)
-        if m == 0 or idle == 2:
+        if m == 0 or idle == 2 or (stop_at is not None and time.perf_counter() >= stop_at):
             break
+        if max_items is not None:
+            m = max(1, min(m, max_items // b))
         top = order[::-1][:m]
         if rnd % 2 == 0 or m < 2:
             # Heavy parts against the m lightest, `s` partners each.
             heavy = top
             s = max(1, min(partners, m, _ROUND_BUDGET // (m * b)))
+            if max_items is not None:
+                s = max(1, min(s, max_items // (m * b)))
             part = order[:m][(np.arange(m)[:, None] + np.arange(s)[None, :]) % m]  # [m, s]
         else:
             # Heavy parts among themselves (heaviest with least heavy): parts

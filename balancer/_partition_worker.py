@@ -90,11 +90,11 @@ def solve(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
     both call this, so they return the same rows.
     """
     from balancer._quantize import quantize
-    from balancer.partition import balanced_partition, lower_bound
+    from balancer.partition import _localized_rows, lower_bound
 
     t0 = time.perf_counter()
     x = quantize(workloads) if quantized else workloads
-    rows = np.asarray(balanced_partition(x, num_parts, home, sizes), dtype="<i8")
+    rows = np.asarray(_localized_rows(x, num_parts, home, sizes), dtype="<i8")
     seconds = time.perf_counter() - t0
     if not quantized:
         return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))

@@ -4,22 +4,28 @@ Each step the shuffler has ``N = W * B`` workloads (``W`` ranks, ``B`` samples
 per rank) and needs ``W`` parts of exactly ``B`` samples each with the largest
 part sum as small as possible; then samples move between ranks.
 
-Pipeline of :func:`balanced_partition` (``x`` = workloads):
+Pipeline of :func:`balanced_partition` (``x`` = workloads; the steps live in
+``_partition_solve``):
 
-1. sort ``x`` once (tie-free keys, so every rank gets the same order);
-2. greedy LPT with a cardinality cap (largest item to the lightest part that
-   still has room) -- heavy parts wait and get the smallest items at the end;
-   on the benchmark suite it starts within ~2e-4 of :func:`lower_bound`, where
-   equal-size Karmarkar-Karp starts 5-48 % above it on heavy tails; if LPT is
-   not already within ``rtol``, equal-size KK is tried too (abandoned when its
-   first round shows the single-merge chain of heavy tails) and the better
-   start is kept -- on smooth inputs KK starts ~10x closer;
-3. swap refinement: parallel rounds in which every part above the target
-   trades one item with a light part (or, every other round, with another
-   heavy part), then single best swaps for the heaviest part until it is
-   within ``rtol`` of :func:`lower_bound`, then (few parts) two-for-two swaps;
-4. optionally :func:`localize`: choose which part each rank gets, and trade
-   items so that samples stay on their home rank without raising the max.
+1. sort ``x`` once (tie-free keys ``x << log2 N | index``, one plain sort), and
+   compute :func:`lower_bound` from the same prefix sums;
+2. a greedy start with a cardinality cap. Up to N = 8192: LPT (largest
+   item to the lightest part that still has room), with equal-size
+   Karmarkar-Karp tried too when LPT misses the target (KK starts ~10x closer
+   on smooth inputs). Larger inputs: the projected-load greedy
+   (``_partition_fill``: serve the part with the smallest ``load + free slots
+   * mean remaining item``, so parts with many empty slots take the small
+   items), dealt a row or more at a time -- within ~1e-4 of the bound at
+   N = 262,144 in ~32-70 numpy steps, where LPT is up to 2.3e-3 above it;
+3. swap refinement to ``lower_bound * (1 + rtol)`` under a work budget that
+   depends on ``N`` and ``W`` only: parallel rounds in which every part above
+   the target trades one item with a light (or another heavy) part, single
+   best swaps for the heaviest part, then (few parts) two-for-two swaps. No
+   swap raises the max, so stopping early (budget, ``deadline_ms``) is safe;
+4. optionally (``tokens``) a hard per-part cap on a second quantity
+   (``_partition_tokens``), and (``home``) :func:`localize`: choose which part
+   each rank gets, and trade items so that samples stay on their home rank
+   without raising the max.
 
 Threads and the GIL: the shuffler runs this in a background thread while the
 main thread launches GPU work. Numpy releases the GIL inside sorts, searches,
@@ -34,8 +40,8 @@ throughout. The way out is :class:`PartitionWorker`: the same partition in a
 child process (numpy only); ``submit`` on the main thread and ``wait`` later
 costs the main thread < 1 % and the partition ~1.3x its standalone time under
 both kinds of main thread. Within this module the numpy work is kept to few,
-large calls (one sort, one LPT step per served row, ~25 calls per refinement
-round). Numbers: ``docs/benchmarks_partition.md``.
+large calls (one sort, ~25 calls per start step or refinement round). Numbers:
+``docs/benchmarks_partition.md``.
 
 All functions are deterministic: the same input gives the same output on every
 rank and process (stable sorts or tie-free keys everywhere).
@@ -46,16 +52,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from balancer._partition_bound import bound_sorted
 from balancer._partition_free import free_assign, labels_to_lists
 from balancer._partition_kk import kk_equal, kk_free
-from balancer._partition_locality import localize_rows
-from balancer._partition_lpt import lpt
-from balancer._partition_refine import polish, polish_pairs, sort_order, swap_rounds
+from balancer._partition_locality import assign_parts, localize_rows
+from balancer._partition_refine import sort_order
+from balancer._partition_solve import solve
+from balancer._partition_tokens import apply_token_cap, check_tokens_met, token_cap
 from balancer._partition_worker import PartitionWorker
 
 logger = logging.getLogger(__name__)
@@ -74,9 +83,6 @@ __all__ = [
 
 # Total workload must stay below this so that doubled sums never overflow int64.
 _MAX_TOTAL = 1 << 61
-_ROUNDS = 8  # parallel swap rounds before the single-swap polish
-_PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
-_PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 
 
 def _check_num_parts(num_parts: int) -> None:
@@ -86,71 +92,33 @@ def _check_num_parts(num_parts: int) -> None:
         raise ValueError(f"num_parts={num_parts}, expected >= 1")
 
 
-def _as_workloads(workloads: Any, num_parts: int) -> np.ndarray:
+def _as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np.ndarray:
     """Validate and convert to int64 (integer input) or float64 (float input)."""
     _check_num_parts(num_parts)
     arr = np.asarray(workloads)
     if arr.ndim != 1:
-        raise ValueError(f"workloads has shape {tuple(arr.shape)}, expected 1-D [N]")
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected 1-D [N]")
     n = arr.size
     if n % num_parts:
-        raise ValueError(f"workloads has {n} entries, not divisible by num_parts={num_parts}")
+        raise ValueError(f"{name} has {n} entries, not divisible by num_parts={num_parts}")
     kind = arr.dtype.kind
     if kind in "biu":
         if kind == "u" and n and int(arr.max()) > np.iinfo(np.int64).max:
-            raise ValueError(f"workloads max {int(arr.max())} does not fit in int64")
+            raise ValueError(f"{name} max {int(arr.max())} does not fit in int64")
         x = arr.astype(np.int64, copy=False)
     elif kind == "f":
         x = arr.astype(np.float64, copy=False)
         if n and not np.isfinite(x).all():
             i = int(np.flatnonzero(~np.isfinite(x))[0])
-            raise ValueError(f"workloads[{i}] = {x[i]}, expected a finite value")
+            raise ValueError(f"{name}[{i}] = {x[i]}, expected a finite value")
     else:
-        raise ValueError(f"workloads has dtype {arr.dtype}, expected integers or floats")
+        raise ValueError(f"{name} has dtype {arr.dtype}, expected integers or floats")
     if n and x.min() < 0:
         i = int(np.argmin(x))
-        raise ValueError(f"workloads[{i}] = {x[i]}, expected >= 0")
+        raise ValueError(f"{name}[{i}] = {x[i]}, expected >= 0")
     if n and float(x.sum(dtype=np.float64)) >= _MAX_TOTAL:
-        raise ValueError(f"workloads sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
+        raise ValueError(f"{name} sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
     return x
-
-
-def _bound_sorted(v: np.ndarray, num_parts: int) -> int | float:
-    """:func:`lower_bound` on ascending ``v`` (exact integer for int64 input)."""
-    n, w = v.size, num_parts
-    b = n // w
-    if n == 0:
-        return 0
-    is_int = v.dtype.kind == "i"
-    prefix = np.zeros(n + 1, v.dtype)
-    np.cumsum(v, out=prefix[1:])
-    total = prefix[n]
-    best = max(-(-int(total) // w) if is_int else float(total) / w, v[n - 1].item())
-    # Pigeonhole: some part holds c = ceil(k/W) of the k largest. Within a block
-    # of equal c the bound grows as k shrinks, so k = (c-1)W + 1 suffices.
-    c = np.arange(1, b + 1)
-    k = (c - 1) * w + 1
-    pig = prefix[n - k + c] - prefix[n - k] + prefix[b - c]
-    best = max(best, pig.max().item())
-    # Grouped: the m parts holding the k largest also hold >= mB - k others.
-    kmax = min(w - 1, 256)
-    if kmax >= 1:
-        kk = np.arange(1, kmax + 1)
-        top = total - prefix[n - kk]
-        alone = top + prefix[kk * (b - 1)]  # m = k: each large item alone
-        useful = kk[(alone / kk) > best]
-        if useful.size:
-            kq = useful[:, None]
-            mm = np.arange(1, int(useful.max()) + 1)[None, :]
-            idx = mm * b - kq
-            valid = (mm <= kq) & (idx >= 0)
-            num = (total - prefix[n - kq]) + prefix[np.where(valid, idx, 0)]
-            if is_int:
-                f = np.where(valid, -(-num // mm), np.iinfo(np.int64).max)
-            else:
-                f = np.where(valid, num / mm, np.inf)
-            best = max(best, f.min(axis=1).max().item())
-    return best
 
 
 def lower_bound(workloads: Any, num_parts: int) -> float:
@@ -169,11 +137,13 @@ def lower_bound(workloads: Any, num_parts: int) -> float:
       plus ``mB - k`` others, so their total is ``>= top_k + S(mB - k)`` and
       one of them carries the average. Minimising over ``m`` covers every
       partition. This is tight when a few huge items each need a part topped
-      up with the smallest fillers.
+      up with the smallest fillers (e.g. 362 clipped samples among 8192 parts).
 
-    The bound is the maximum over all terms (the grouped term for
-    ``k <= 256``). For integers it is exact (ceil of the averages, rounded down
-    to a float); for floats it is reduced by ``4 N eps`` to absorb rounding.
+    The bound is the maximum over all terms, the grouped term for every
+    ``k < W`` (the minimum over ``m`` by binary search: the average is
+    unimodal in ``m``). For integers it is exact (ceil of the averages,
+    rounded down to a float); for floats it is reduced by ``4 N eps`` to
+    absorb rounding.
 
     Args:
         workloads: [N] non-negative workloads (list, ndarray or CPU tensor).
@@ -186,7 +156,7 @@ def lower_bound(workloads: Any, num_parts: int) -> float:
         ValueError: see :func:`balanced_partition`.
     """
     x = _as_workloads(workloads, num_parts)
-    return _as_float(_bound_sorted(np.sort(x), num_parts), x.size)
+    return _as_float(bound_sorted(np.sort(x), num_parts), x.size)
 
 
 def _as_float(bound: int | float, n: int) -> float:
@@ -236,14 +206,19 @@ def karmarkar_karp(workloads: Any, num_parts: int, equal_size: bool = True) -> l
 
 
 def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *,
-                       rtol: float = 1e-5) -> list[list[int]]:
-    """The library's partitioner: LPT with a cardinality cap, then swap refinement.
+                       rtol: float = 1e-5, deadline_ms: float | None = None, tokens: Any = None,
+                       max_tokens: float | None = None) -> list[list[int]]:
+    """The library's partitioner: a cardinality-aware greedy start, then swap refinement.
 
     Example: workloads ``[9, 1, 8, 2, 7, 3]`` into 2 parts of 3 gives
     ``[[0, 3, 5], [1, 2, 4]]`` with loads 14 and 16 (contiguous chunks: 18
     and 12). 16 is optimal: one part holds two of the three largest (9, 8, 7),
     so at least ``8 + 7`` plus the smallest item ``1`` -- the pigeonhole term
     of :func:`lower_bound`.
+
+    The work done is a deterministic function of ``(workloads, num_parts)``:
+    refinement stops at ``rtol`` or when a budget of swap steps derived from
+    ``N`` and ``W`` is spent, so every rank computes the same partition.
 
     Args:
         workloads: [N] non-negative workloads (int or float; list, ndarray or
@@ -253,7 +228,21 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
             passed through :func:`localize` (part ``r`` goes to rank ``r``).
         sizes: optional [N] bytes per sample for :func:`localize`.
         rtol: stop refining once the max load is within ``rtol`` of
-            :func:`lower_bound` (0 refines until no swap helps).
+            :func:`lower_bound` (0 refines until no swap helps or the budget
+            is spent).
+        deadline_ms: optional safety net: stop refining after this many
+            milliseconds and return the best partition so far (the greedy
+            start always completes, and no swap raises the max). Ranks running
+            at different speeds can then stop at different swaps and return
+            *different* partitions, which breaks the shuffler's assumption that
+            every rank computes the same one; leave it ``None`` there.
+        tokens: optional [N] second per-sample quantity with a hard per-part
+            cap, e.g. tokens (activation memory) while ``workloads`` is
+            compute. Every part ends with at most ``max_tokens`` of it; the
+            max compute load stays within ``rtol`` of :func:`lower_bound`
+            whenever the cap leaves room (see ``docs/benchmarks_partition.md``).
+        max_tokens: the cap on ``tokens`` per part; default
+            ``1.01 * sum(tokens) / num_parts``.
 
     Returns:
         ``W`` lists of exactly ``B`` sample indices each (each ascending);
@@ -263,40 +252,67 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
         TypeError: ``num_parts`` is not an int.
         ValueError: ``num_parts < 1``; ``workloads`` not 1-D, its length not
             divisible by ``num_parts``, negative, NaN/inf, non-numeric, or
-            summing to 2**61 or more.
+            summing to 2**61 or more; ``rtol < 0``; ``deadline_ms <= 0``;
+            ``tokens`` malformed (as ``workloads``); ``max_tokens`` below what
+            any partition can meet (the message names the cap, the proven
+            minimum and the best cap found).
+    """
+    out: list[list[int]] = _localized_rows(workloads, num_parts, home, sizes, rtol=rtol, deadline_ms=deadline_ms,
+                                           tokens=tokens, max_tokens=max_tokens).tolist()
+    return out
+
+
+def _localized_rows(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *, rtol: float = 1e-5,
+                    deadline_ms: float | None = None, tokens: Any = None,
+                    max_tokens: float | None = None) -> np.ndarray:
+    """:func:`balanced_partition` as an int64 array ``[W, B]`` (the planner keeps arrays)."""
+    rows = _partition_rows(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
+                           tokens=tokens, max_tokens=max_tokens)
+    if home is not None:
+        x = _as_workloads(workloads, num_parts)
+        h, s = _check_home(home, sizes, x.size, num_parts)
+        local = localize_rows(x, rows, h, s)
+        if tokens is not None:
+            # localize trades items by compute alone; keep its result only if
+            # the token cap still holds, else just assign whole parts to ranks.
+            t = _as_workloads(tokens, num_parts, "tokens")
+            if t[local].sum(axis=1).max() > token_cap(t, num_parts, max_tokens):
+                local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
+        rows = local
+    return rows
+
+
+def _partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
+                    deadline_ms: float | None = None, tokens: Any = None,
+                    max_tokens: float | None = None) -> np.ndarray:
+    """:func:`balanced_partition` without ``home``, as an int64 array [W, B] (rows ascending).
+
+    Building ``W`` Python lists costs ~10 ms at N = 262,144 (more than the
+    partition itself); callers that want an array (the partition child) can
+    skip it here.
     """
     x = _as_workloads(workloads, num_parts)
+    if not rtol >= 0:
+        raise ValueError(f"rtol={rtol}, expected >= 0")
+    if deadline_ms is not None and not deadline_ms > 0:
+        raise ValueError(f"deadline_ms={deadline_ms}, expected > 0 or None")
+    start = time.perf_counter()
     n, w = x.size, num_parts
     b = n // w
+    t = None if tokens is None else _as_workloads(tokens, num_parts, "tokens")
+    if t is not None and t.size != n:
+        raise ValueError(f"tokens has {t.size} entries, expected {n} (one per workload)")
     if b <= 1 or w == 1:
-        parts = np.arange(n, dtype=np.int64).reshape(w, b).tolist()
-    else:
-        order = sort_order(x)
-        v = x[order]
-        rows = lpt(v, w)
-        loads = v[rows].sum(axis=1)
-        bound = _bound_sorted(v, w)
-        target = bound * (1 + rtol) if rtol > 0 else bound
-        if v.dtype.kind == "i":
-            target = int(target)
-        if loads.max() > target:
-            # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK
-            # into a long chain of single merges, visible in its first round.
-            part = kk_equal(v, w, give_up=True)
-            if part is not None:
-                kk_rows = np.argsort(part, kind="stable").reshape(w, b)
-                kk_loads = v[kk_rows].sum(axis=1)
-                if kk_loads.max() < loads.max():
-                    rows, loads = kk_rows, kk_loads
-        if loads.max() > target:
-            swap_rounds(v, rows, loads, target, _ROUNDS, max(1, 256 // b))
-            polish(v, rows, loads, target, 4 * w + 32)
-        if loads.max() > target and w <= _PAIR_MAX_PARTS:
-            polish_pairs(v, rows, loads, target, _PAIR_STEPS)
-        parts = _to_lists(order, rows)
-    if home is not None:
-        return localize(parts, x, home, sizes)
-    return parts
+        rows = np.arange(n, dtype=np.int64).reshape(w, b)
+        if t is not None:
+            check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
+        return rows
+    stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
+    sol = solve(x, w, rtol, stop_at)
+    if t is not None:
+        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens)
+    rows = np.sort(sol.order[sol.rows], axis=1)
+    return rows
 
 
 def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
@@ -338,6 +354,13 @@ def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
     if rows.size != n or not np.array_equal(np.sort(rows.ravel()), np.arange(n)):
         raise ValueError(f"parts must be {w} lists of {n // max(w, 1)} indices forming a "
                          f"permutation of range({n})")
+    h, s = _check_home(home, sizes, n, w)
+    out: list[list[int]] = localize_rows(x, rows, h, s).tolist()
+    return out
+
+
+def _check_home(home: Any, sizes: Any, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """``home`` as int64 [N] in ``[0, W)`` and ``sizes`` as float64 [N] (default ones)."""
     h = np.asarray(home)
     if h.shape != (n,) or h.dtype.kind not in "iu" or (n and (h.min() < 0 or h.max() >= w)):
         raise ValueError(f"home has shape {h.shape} and dtype {h.dtype}, expected [{n}] ints in [0, {w})")
@@ -347,7 +370,7 @@ def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
         s = np.asarray(sizes, dtype=np.float64)
         if s.shape != (n,) or not np.isfinite(s).all() or (n and s.min() < 0):
             raise ValueError(f"sizes has shape {s.shape}, expected [{n}] finite values >= 0")
-    return localize_rows(x, rows, h.astype(np.int64), s).tolist()
+    return h.astype(np.int64), s
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

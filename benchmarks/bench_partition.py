@@ -1,23 +1,32 @@
-"""Benchmark of ``balancer.partition``: quality, speed, GIL contention, locality.
+"""Benchmark of ``balancer.partition``: quality, speed, scale, GIL contention, locality, memory.
 
 One command::
 
     .venv/bin/python benchmarks/bench_partition.py [--quick] [--seeds 3] [--json-out out.jsonl]
+        [--plot docs/img/partition_time.png] [--before 07a7679] [--only scale,curves]
 
-Prints four tables and writes one JSON line per measurement (plus one header
-line with hardware and versions) to ``--json-out``:
+Prints up to six tables and writes one JSON line per measurement (plus one
+header line with hardware, versions and load) to ``--json-out``:
 
 1. quality (``max load / lower_bound - 1``, median and worst over seeds) and
    time per call for: no balancing (contiguous chunks), greedy LPT with a
    cardinality cap (textbook heap), textbook heap Karmarkar-Karp, our
-   ``karmarkar_karp`` and our ``balanced_partition``;
-2. partition time against N (``--plot`` writes docs/img/partition_time.png);
-3. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
-   while the main thread does a fixed amount of Python-bound or torch-op-bound
-   work per step; main-thread slowdown and partition latency alone vs under
-   contention;
-4. locality: fraction of samples (and bytes) that move between ranks with a
-   placement-blind assignment vs ``localize``.
+   ``karmarkar_karp``, our ``balanced_partition`` and the same function as of
+   the ``--before`` commit;
+2. before / after at scale: N up to 262,144 (8192x32 ... 256x1024), quality
+   over seeds and time per call, the two versions taking turns (machine noise
+   hits both alike); "array" times the partition without building lists;
+3. time against N (W x 32) and against W at N = 131,072 (``--plot`` draws it);
+4. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
+   (or the ``PartitionWorker`` child) while the main thread does a fixed
+   amount of Python-bound or torch-op-bound work per step; main-thread
+   slowdown and partition latency alone vs under contention;
+5. locality: fraction of samples (and bytes) that move between ranks with a
+   placement-blind assignment vs ``localize``;
+6. compute and memory: compute balanced with a cap on tokens per rank.
+
+The ``--before`` reference is loaded from git (``git show``) into a temporary
+package, so both versions run in one process.
 
 Workloads are ``L^2 + 1024 L`` for lengths ``L`` drawn from uniform[1, 4096],
 lognormal(6, 1) clipped to 8192, zipf(1.2) clipped at 4096, and lognormal with
@@ -44,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from balancer.partition import (  # noqa: E402
     PartitionWorker,
+    _partition_rows,
     balanced_partition,
     karmarkar_karp,
     localize,
@@ -268,19 +278,24 @@ def contention_submit(worker: PartitionWorker, x: np.ndarray, w: int, kind: str,
 
 
 def thread_experiment(cases: list[tuple[int, int, float]], steps: int,
-                      emit: Callable[[dict[str, Any]], None]) -> None:
-    """``cases``: (W, B, main-thread work per step in ms)."""
+                      emit: Callable[[dict[str, Any]], None], before: Any = None) -> None:
+    """``cases``: (W, B, main-thread work per step in ms); ``before``: an older
+    ``balancer.partition`` (its in-thread call and its child process are measured too)."""
     print("\n## Thread contention (main thread: fixed work per step, partition submitted at its start)\n")
     print("| W x B | step | method | main thread | main slowdown | latency alone (ms) "
           "| latency contended (ms, median / p90) | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     worker = PartitionWorker()
+    workers = {"PartitionWorker.submit, no thread": worker}
     methods: dict[str, Method] = {
         "textbook KK (pure Python)": ref_kk,
         "karmarkar_karp": karmarkar_karp,
         "balanced_partition": balanced_partition,
         "PartitionWorker (in the thread)": worker,
     }
+    if before is not None:
+        methods["balanced_partition (before)"] = before.balanced_partition
+        workers["PartitionWorker.submit, no thread (before)"] = before.PartitionWorker()
     try:
         for w, b, step_ms in cases:
             x, _ = make_workloads("lognormal", w * b, 0)
@@ -292,14 +307,15 @@ def thread_experiment(cases: list[tuple[int, int, float]], steps: int,
                     emit({"kind": "contention", "W": w, "B": b, "method": name,
                           "main": kind, "step_ms": step_ms, **r})
                     _contention_row(w, b, step_ms, name, kind, r)
-            for kind in ("python", "torch"):
-                r = contention_submit(worker, x, w, kind, step_ms, steps)
-                name = "PartitionWorker.submit, no thread"
-                emit({"kind": "contention", "W": w, "B": b, "method": name,
-                      "main": kind, "step_ms": step_ms, **r})
-                _contention_row(w, b, step_ms, name, kind, r)
+            for name, wk in workers.items():
+                for kind in ("python", "torch"):
+                    r = contention_submit(wk, x, w, kind, step_ms, steps)
+                    emit({"kind": "contention", "W": w, "B": b, "method": name,
+                          "main": kind, "step_ms": step_ms, **r})
+                    _contention_row(w, b, step_ms, name, kind, r)
     finally:
-        worker.close()
+        for wk in workers.values():
+            wk.close()
 
 
 def _contention_row(w: int, b: int, step_ms: float, name: str, kind: str,
@@ -342,84 +358,246 @@ def locality(cases: list[tuple[int, int]], seeds: int, emit: Callable[[dict[str,
                   flush=True)
 
 
-# ----------------------------------------------------------------- 2. time vs N
-def scaling(sizes: list[tuple[int, int]], methods: dict[str, Method],
-            emit: Callable[[dict[str, Any]], None], plot: str | None) -> None:
-    print("\n## Time per call vs N (lognormal, median ms)\n")
-    print(f"| W x B | N | {' | '.join(methods)} |")
-    print("|---|---|" + "---|" * len(methods))
-    curves: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
-    for w, b in sizes:
-        x, _ = make_workloads("lognormal", w * b, 0)
-        cells = []
-        for name, fn in methods.items():
-            s = time_call(lambda fn=fn, x=x, w=w: fn(x, w), budget_s=0.3)
-            curves[name].append((w * b, s))
-            emit({"kind": "scaling", "W": w, "B": b, "N": w * b, "method": name, "time_ms": 1e3 * s})
-            cells.append(f"{1e3 * s:.2f}")
-        print(f"| {w}x{b} | {w * b} | {' | '.join(cells)} |", flush=True)
+# ----------------------------------------------------------------- before: an older commit
+def load_before(commit: str) -> Any:
+    """``balancer.partition`` as of ``commit``, importable next to the current one.
+
+    The partition modules of that commit are written to a temp dir twice: as
+    package ``balancer_before`` (imports rewritten) for in-process calls, and
+    on ``PYTHONPATH`` so that its ``PartitionWorker`` child runs the old code.
+    """
+    import importlib
+    import re
+    import subprocess
+    import tempfile
+
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    names = subprocess.run(["git", "-C", repo, "ls-tree", "--name-only", commit, "balancer/"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    tmp = tempfile.mkdtemp(prefix="balancer_before_")
+    pkg = os.path.join(tmp, "balancer_before")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.py"), "w").close()  # noqa: SIM115
+    for name in names:
+        if re.fullmatch(r"balancer/(partition|_partition_\w+)\.py", name):
+            src = subprocess.run(["git", "-C", repo, "show", f"{commit}:{name}"],
+                                 capture_output=True, text=True, check=True).stdout
+            with open(os.path.join(pkg, os.path.basename(name)), "w") as f:
+                f.write(re.sub(r"\bbalancer\.", "balancer_before.", src))
+    sys.path.insert(0, tmp)
+    os.environ["PYTHONPATH"] = os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])
+    return importlib.import_module("balancer_before.partition")
+
+
+def time_side_by_side(fns: dict[str, Callable[[], Any]], reps: int,
+                      slow_s: float = 2.0) -> dict[str, float]:
+    """Median seconds per call, the functions taking turns (machine noise hits all alike).
+
+    A function whose first call takes over ``slow_s`` is timed by that call only.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for rep in range(reps):
+        for name, fn in fns.items():
+            if rep and times[name][0] > slow_s:
+                continue
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------- 2. before / after at scale
+SCALE_SHAPES = [(8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512), (256, 1024),
+                (256, 512), (64, 128), (32, 32), (8, 128), (4, 256)]
+
+
+def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, before: Any,
+          emit: Callable[[dict[str, Any]], None], reps: int = 5) -> None:
+    """Quality and time of the current ``balanced_partition`` next to ``before``'s.
+
+    Times are medians over ``reps`` calls on seed 0, the two versions taking
+    turns; "array" is the same partition without building Python lists
+    (``_partition_rows``, what the partition child can return).
+    """
+    print("\n## Before / after at scale (max/bound - 1: median | worst over seeds; ms per call)\n")
+    print("| W x B | dist | before: quality | before ms | after: quality | after ms (lists) "
+          "| after ms (array) | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w, b in shapes:
+        for dist in dists:
+            gaps: dict[str, list[float]] = {"before": [], "after": []}
+            secs: dict[str, float] = {}
+            for seed in range(seeds):
+                x, _ = make_workloads(dist, w * b, seed)
+                lb = lower_bound(x, w)
+                fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
+                       "array": lambda x=x, w=w: _partition_rows(x, w)}
+                if before is not None:
+                    fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
+                gaps["after"].append(max_load(x, balanced_partition(x, w)) / lb - 1)
+                if before is not None:
+                    gaps["before"].append(max_load(x, before.balanced_partition(x, w)) / lb - 1)
+                if seed == 0:
+                    fns["after"]()  # warm-up
+                    secs = time_side_by_side(fns, reps)
+            row = {"kind": "scale", "W": w, "B": b, "N": w * b, "dist": dist,
+                   **{f"gaps_{k}": v for k, v in gaps.items()},
+                   **{f"{k}_ms": 1e3 * v for k, v in secs.items()}}
+            emit(row)
+            cell = {k: (f"{statistics.median(v):.1e} \\| {max(v):.1e}" if v else "-")
+                    for k, v in gaps.items()}
+            bms = f"{1e3 * secs['before']:.1f}" if "before" in secs else "-"
+            speed = f"{secs['before'] / secs['after']:.1f}x" if "before" in secs else "-"
+            print(f"| {w}x{b} | {dist} | {cell['before']} | {bms} | {cell['after']} | "
+                  f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} |", flush=True)
+
+
+def scaling_curves(before: Any, emit: Callable[[dict[str, Any]], None], plot: str | None,
+                   dist: str = "lognormal", reps: int = 5) -> None:
+    """Time against N (B = 32) and against W at N = 131,072; seed 0, side by side."""
+    print(f"\n## Time per call against N and against W ({dist}, median ms)\n")
+    print("| curve | W x B | N | before | after (lists) | after (array) |")
+    print("|---|---|---|---|---|---|")
+    curves = {"N": [(w, 32) for w in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)],
+              "W": [(w, 131072 // w) for w in (16, 64, 256, 1024, 4096, 8192)]}
+    pts: dict[str, list[tuple[int, int, dict[str, float]]]] = {k: [] for k in curves}
+    for curve, shapes in curves.items():
+        for w, b in shapes:
+            x, _ = make_workloads(dist, w * b, 0)
+            fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
+                   "array": lambda x=x, w=w: _partition_rows(x, w)}
+            if before is not None:
+                fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
+            fns["after"]()
+            secs = time_side_by_side(fns, reps)
+            pts[curve].append((w, b, secs))
+            emit({"kind": "scaling", "curve": curve, "W": w, "B": b, "N": w * b, "dist": dist,
+                  **{f"{k}_ms": 1e3 * v for k, v in secs.items()}})
+            bms = f"{1e3 * secs['before']:.1f}" if "before" in secs else "-"
+            print(f"| {curve} | {w}x{b} | {w * b} | {bms} | {1e3 * secs['after']:.1f} | "
+                  f"{1e3 * secs['array']:.1f} |", flush=True)
     if plot:
-        import matplotlib
+        _plot_scaling(pts, plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for (name, pts), marker in zip(curves.items(), "os^v", strict=False):
-            ax.scatter([p[0] for p in pts], [1e3 * p[1] for p in pts], marker=marker, label=name)
-        for (w, b), (n, sec) in zip(sizes, curves["balanced_partition"], strict=True):
-            ax.annotate(f"{w}x{b}", (n, 1e3 * sec), fontsize=7, xytext=(4, -10),
-                        textcoords="offset points")
-        ax.plot([1024, 8192, 131072], [1, 3, 25], "k--", lw=1, label="target")
+def _plot_scaling(pts: dict[str, list[tuple[int, int, dict[str, float]]]], plot: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"before": ("C3", "s", "before"), "after": ("C0", "o", "after (lists)"),
+              "array": ("C2", "^", "after (array)")}
+    for ax, curve, xlabel in ((axes[0], "N", "N = W x 32"), (axes[1], "W", "W (N = 131,072)")):
+        for key, (color, marker, label) in styles.items():
+            xs = [w * b if curve == "N" else w for w, b, s in pts[curve] if key in s]
+            ys = [1e3 * s[key] for w, b, s in pts[curve] if key in s]
+            ax.plot(xs, ys, marker=marker, color=color, label=label)
+        ax.axhline(25, color="k", ls="--", lw=1, label="25 ms target")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("N = W x B (lognormal lengths)")
+        ax.set_xlabel(xlabel + " (lognormal lengths)")
         ax.set_ylabel("ms per call")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(plot), exist_ok=True)
-        fig.savefig(plot, dpi=120)
-        print(f"\nplot written to {plot}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(plot) or ".", exist_ok=True)
+    fig.savefig(plot, dpi=120)
+    print(f"\nplot written to {plot}")
+
+
+# ----------------------------------------------------------------- 6. compute and memory
+def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
+           emit: Callable[[dict[str, Any]], None]) -> None:
+    """Compute (``L^2 + 256 L``) balanced, tokens (``L``) per part capped at ``cap * mean``."""
+    print("\n## Compute and memory: Zipf(1.2) <= 4096 lengths, B = 32, compute L^2 + 256 L, "
+          "tokens L\n")
+    print("| W | token cap | compute max/bound - 1 (median \\| worst) | tokens max/mean "
+          "(median \\| worst) | ms (median) |")
+    print("|---|---|---|---|---|")
+    for w in ws:
+        for cap in caps:
+            gaps, ratios, secs = [], [], []
+            for seed in range(seeds):
+                rng = np.random.default_rng(seed)
+                lens = np.minimum(rng.zipf(1.2, w * 32), 4096).astype(np.int64)
+                x = lens * lens + 256 * lens
+                kw = {} if cap is None else {"tokens": lens, "max_tokens": cap * lens.sum() / w}
+                t = time.perf_counter()
+                parts = balanced_partition(x, w, **kw)
+                secs.append(time.perf_counter() - t)
+                gaps.append(max_load(x, parts) / lower_bound(x, w) - 1)
+                tok = np.array([lens[p].sum() for p in parts])
+                ratios.append(float(tok.max() / tok.mean()))
+            emit({"kind": "tokens", "W": w, "B": 32, "cap": cap, "gaps": gaps, "ratios": ratios,
+                  "time_ms": 1e3 * statistics.median(secs)})
+            print(f"| {w} | {'none' if cap is None else f'{cap:.2f} x mean'} | "
+                  f"{statistics.median(gaps):.1e} \\| {max(gaps):.1e} | "
+                  f"{statistics.median(ratios):.4f} \\| {max(ratios):.4f} | "
+                  f"{1e3 * statistics.median(secs):.1f} |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small subset (~30 s)")
+    ap.add_argument("--quick", action="store_true", help="small subset (~1 min)")
     ap.add_argument("--seeds", type=int, default=None, help="instances per config (default 3, quick 1)")
     ap.add_argument("--json-out", default=None, help="write JSON lines here")
-    ap.add_argument("--plot", default=None, help="write the time-vs-N plot here (PNG)")
+    ap.add_argument("--plot", default=None, help="write the scaling plot (time vs N and vs W) here")
+    ap.add_argument("--before", default="07a7679",
+                    help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections: quality,scale,curves,threads,locality,tokens")
     ap.add_argument("--step-ms", type=float, default=50.0,
                     help="main-thread work per step (x10 for the N=131072 case)")
     args = ap.parse_args()
     seeds = args.seeds or (1 if args.quick else 3)
     out = open(args.json_out, "w") if args.json_out else None  # noqa: SIM115
+    only = set(args.only.split(",")) if args.only else None
 
     def emit(row: dict[str, Any]) -> None:
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()
 
+    def want(section: str) -> bool:
+        return only is None or section in only
+
     emit(header())
     print(json.dumps(header()))
+    before = None if args.before == "none" else load_before(args.before)
     methods: dict[str, Method] = {
         "none": contiguous, "LPT (heap)": ref_lpt, "KK (heap)": ref_kk,
         "karmarkar_karp": karmarkar_karp, "balanced_partition": balanced_partition,
     }
+    if before is not None:
+        methods["before"] = before.balanced_partition
     if args.quick:
-        configs = [(8, 32), (8, 128), (64, 32), (64, 128)]
-        quality(configs, seeds, emit, methods)
-        thread_experiment([(64, 128, args.step_ms)], 10, emit)
-        locality([(4, 128), (8, 128)], seeds, emit)
+        if want("quality"):
+            quality([(8, 32), (8, 128), (64, 32), (64, 128)], seeds, emit, methods)
+        if want("scale"):
+            scale([(8192, 32), (1024, 256), (32, 32)], ("zipf", "lognormal"), seeds, before, emit, 3)
+        if want("threads"):
+            thread_experiment([(64, 128, args.step_ms)], 10, emit, before)
+        if want("locality"):
+            locality([(4, 128), (8, 128)], seeds, emit)
+        if want("tokens"):
+            tokens((8, 16), 5, (None, 1.05, 1.01), emit)
     else:
-        configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
-        quality(configs, seeds, emit, methods)
-        fast = {k: methods[k] for k in ("karmarkar_karp", "balanced_partition")}
-        scaling([(8, 128), (32, 32), (64, 128), (256, 32), (256, 128), (256, 512), (1024, 128)],
-                fast, emit, args.plot)
-        thread_experiment([(8, 128, args.step_ms), (64, 128, args.step_ms),
-                           (256, 512, 10 * args.step_ms)], 20, emit)
-        locality([(4, 128), (4, 512), (8, 128), (8, 512)], seeds, emit)
+        if want("quality"):
+            configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
+            quality(configs, seeds, emit, methods)
+        if want("scale"):
+            scale(SCALE_SHAPES, DISTS, max(2, seeds), before, emit)
+        if want("curves"):
+            scaling_curves(before, emit, args.plot)
+        if want("threads"):
+            thread_experiment([(8, 128, args.step_ms), (64, 128, args.step_ms),
+                               (256, 512, 10 * args.step_ms)], 20, emit, before)
+        if want("locality"):
+            locality([(4, 128), (4, 512), (8, 128), (8, 512)], seeds, emit)
+        if want("tokens"):
+            tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit)
     if out:
         out.close()
 

@@ -1,0 +1,120 @@
+"""The ``balanced_partition`` pipeline on validated workloads: sort, bound, start, refine.
+
+1. :func:`sort_values` (tie-free keys) and prefix sums, shared by the bound
+   and the start;
+2. :func:`bound_sorted`: the target is ``bound * (1 + rtol)``;
+3. the start: capped LPT (``lpt``: a heap loop, or vectorised over parts for
+   W >= 40) up to N = 8192, where it is the cheaper start and refinement
+   closes the rest; the projected-load greedy :func:`fill` at scale
+   (cardinality-aware, ``O(B / rows_per_step)`` numpy steps). If the start
+   misses the target and the input is small, equal-size Karmarkar-Karp is
+   tried too (it starts ~10x closer on smooth inputs);
+4. swap refinement under a *work budget*: parallel rounds, single best swaps
+   for the heaviest part, two-for-two swaps for few parts. Every swap keeps
+   the item counts and never raises the max, so stopping early is always safe.
+
+Work is bounded by step counts derived from ``(W, B)`` alone, so the result
+is a deterministic function of the input. An optional deadline (a
+``time.perf_counter()`` value) is checked between steps as a safety net; a
+deadline makes the result depend on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from balancer._partition_bound import bound_sorted, prefix_sums
+from balancer._partition_fill import fill
+from balancer._partition_kk import kk_equal
+from balancer._partition_lpt import lpt
+from balancer._partition_refine import polish, polish_pairs, sort_values, swap_rounds
+
+__all__ = ["Solved", "solve"]
+
+_LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
+_KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
+# fill deals ~B / _FILL_ROWS rows per step (~64 steps; ~32 from B = 256 on, where
+# the parts are few and the items many, so coarser steps lose nothing measurable)
+_FILL_ROWS = 64
+_ROUNDS = (8, 3)  # parallel swap rounds, N <= _LARGE and N > _LARGE
+# Work budget (partner items searched): per parallel round, and for the whole
+# single-swap polish. Large inputs get less: their start is already within
+# ~1e-4 of the bound, and a polish step costs more there (it sorts W loads).
+_ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 14)
+_POLISH_ITEMS: tuple[int | None, int | None] = (1 << 18, 1 << 12)
+_POLISH_STEPS = 128  # single swaps at most (and 4W + 32): each costs ~15 numpy calls
+_LARGE = 1 << 14
+_PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
+_PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
+
+
+@dataclasses.dataclass
+class Solved:
+    """A partition in sorted-position space."""
+
+    order: np.ndarray
+    """[N] original index of each sorted position."""
+    vals: np.ndarray
+    """[N] workloads sorted ascending."""
+    rows: np.ndarray
+    """[W, B] sorted positions per part, each row ascending."""
+    loads: np.ndarray
+    """[W] part loads (exact for integer workloads)."""
+    bound: int | float
+    """``lower_bound`` of the workloads (exact int for integer input)."""
+
+
+def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = None) -> Solved:
+    """Partition validated workloads ``x`` [N] into ``num_parts`` parts of ``N / W``.
+
+    Args:
+        x: [N] int64 or float64 workloads (validated), N divisible by W, B >= 2, W >= 2.
+        num_parts: W.
+        rtol: refine until the max load is within ``rtol`` of the bound.
+        stop_at: optional ``time.perf_counter()`` deadline for the refinement.
+    """
+    n, w = x.size, num_parts
+    b = n // w
+    order, v = sort_values(x)
+    prefix = prefix_sums(v)
+    bound = bound_sorted(v, w, prefix)
+    target = bound * (1 + rtol) if rtol > 0 else bound
+    if v.dtype.kind == "i":
+        target = int(target)
+    if n <= _LPT_MAX_ITEMS:
+        rows = lpt(v, w)
+        loads = v[rows].sum(axis=1)
+    else:
+        rows, loads = fill(v, w, prefix, max(1, b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2)))
+    if loads.max() > target and n <= _KK_MAX_ITEMS:
+        # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK into
+        # a long chain of single merges, visible in its first round.
+        part = kk_equal(v, w, give_up=True)
+        if part is not None:
+            kk_rows = np.argsort(part, kind="stable").reshape(w, b)
+            kk_loads = v[kk_rows].sum(axis=1)
+            if kk_loads.max() < loads.max():
+                rows, loads = kk_rows, kk_loads
+    if loads.max() > target:
+        refine(v, rows, loads, target, stop_at)
+    return Solved(order, v, rows, loads, bound)
+
+
+def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | float,
+           stop_at: float | None = None) -> None:
+    """Swap refinement of ``rows``/``loads`` in place, under the work budget."""
+    w, b = rows.shape
+    large = int(v.size > _LARGE)
+    swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
+                stop_at)
+    if loads.max() > target and not _late(stop_at):
+        polish(v, rows, loads, target, min(4 * w + 32, _POLISH_STEPS), _POLISH_ITEMS[large], stop_at)
+    if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
+        polish_pairs(v, rows, loads, target, _PAIR_STEPS)
+
+
+def _late(stop_at: float | None) -> bool:
+    return stop_at is not None and time.perf_counter() >= stop_at

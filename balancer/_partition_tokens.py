@@ -1,0 +1,252 @@
+"""A second per-part cap: compute balanced under a limit on tokens (activation memory).
+
+Balancing compute alone (``L^2 + 256 L`` per sample) leaves the tokens per
+rank (``sum L``) at max/mean ~1.05 (W = 8-16, B = 32, Zipf lengths): ranks
+with the same compute hold different mixes of long and short sequences. Here
+every part must also satisfy ``tokens <= cap``.
+
+A single swap moves compute and tokens together (both grow with length), at
+a rate ``dc / dt = L_a + L_b + 256``: low for short items, high for long ones.
+So tokens move between two parts at nearly constant compute by a
+*two-for-two* swap (two medium items one way, a long and a short one back).
+:func:`_best_move` searches both kinds for one pair of parts ``(p, q)``:
+
+* single swaps: the ``B x B`` moves ``(dc, dt)`` inside the allowed windows;
+* two-for-two: the moves sorted by ``dc``; for each first move the second
+  must bring ``dc`` into the compute window, a ``searchsorted`` range that is
+  short because that window is narrow; each candidate is checked for the
+  token window and distinct items (at most ``_PAIR_CANDIDATES`` per pair).
+
+Two phases on a compute-balanced partition (``rows`` [W, B] of sorted
+positions, as ``_partition_solve`` leaves it):
+
+1. repair: while a part has more than ``cap`` tokens, move tokens out of the
+   fullest one to one of the parts with most room. The compute of both parts
+   may rise to ``max(current max, target)``; when no move fits, that allowance
+   grows in steps (``_SLACK``) -- the cap is hard, compute is traded;
+2. polish: while the max compute load is above ``target``, the move that
+   lowers the heaviest part most among those keeping both parts within ``cap``.
+
+Deterministic: candidates in index order, ties to the first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer._partition_bound import bound_sorted
+from balancer._partition_solve import Solved, solve
+
+__all__ = ["apply_token_cap", "cap_tokens", "check_tokens_met", "polish_capped", "token_cap"]
+
+_TOKEN_SLACK = 0.01  # default max_tokens: (1 + this) * mean tokens per part
+Move = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (p, q, columns in p, columns in q)
+
+_PARTNERS = 6  # partners searched per step: the most token room / least compute
+_PAIR_CANDIDATES = 8192  # two-for-two candidates checked per pair at most
+# Repair: compute may rise to max(current max, bound * (1 + s)), smallest s first.
+_SLACK = (1e-4, 1e-3, 1e-2, 1.0)
+
+
+def token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
+    """``max_tokens``, or by default ``(1 + _TOKEN_SLACK)`` times the mean per part."""
+    if max_tokens is None:
+        return (1 + _TOKEN_SLACK) * float(t.sum()) / w
+    if not max_tokens >= 0:
+        raise ValueError(f"max_tokens={max_tokens}, expected >= 0")
+    return float(max_tokens)
+
+
+def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
+                    max_tokens: float | None) -> np.ndarray:
+    """``sol.rows`` changed so that every part has at most the token cap (or raise).
+
+    Raises:
+        ValueError: the cap is below ``lower_bound(tokens)`` (no partition meets
+            it), or neither the repaired partition nor the one that balances
+            tokens alone meets it.
+    """
+    cap = token_cap(t, w, max_tokens)
+    floor = bound_sorted(np.sort(t), w)
+    if cap < floor:
+        raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+                         f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
+    v, rows, loads = sol.vals, sol.rows.copy(), sol.loads.copy()
+    target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
+    tok = t[sol.order]
+    steps = 4 * w + 64
+    if not cap_tokens(v, tok, rows, loads, cap, sol.bound, steps):
+        # Start from the partition that balances tokens alone instead.
+        alt = solve(t, w, 1e-5)
+        rank = np.empty(t.size, np.int64)
+        rank[sol.order] = np.arange(t.size)
+        rows = np.sort(rank[alt.order[alt.rows]], axis=1)
+        check_tokens_met(tok, rows, cap, w, floor)
+        loads = v[rows].sum(axis=1)
+    polish_capped(v, tok, rows, loads, cap, target, steps)
+    return rows
+
+
+def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
+                     floor: int | float | None) -> None:
+    """Raise ``ValueError`` (cap, best found, proven minimum) if a part of ``rows`` exceeds ``cap``."""
+    best = tok[rows].sum(axis=1).max().item()
+    if best > cap:
+        if floor is None:
+            floor = bound_sorted(np.sort(tok), w)
+        raise ValueError(f"max_tokens={cap:g} cannot be met: the best partition found has {best} "
+                         f"tokens in a part; no partition has fewer than {floor}")
+
+
+def cap_tokens(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,
+               cap: float, bound: float, max_steps: int) -> bool:
+    """Repair ``rows``/``loads`` in place until every part has ``<= cap`` tokens.
+
+    Args:
+        vals: [N] compute workloads sorted ascending.
+        tok: [N] tokens of the same (sorted) positions.
+        rows: [W, B] sorted positions per part; updated in place.
+        loads: [W] compute loads; updated in place.
+        cap: the token cap per part.
+        bound: the compute lower bound (compute may rise to ``bound * (1 + s)``
+            for the smallest ``s`` in ``_SLACK`` that admits a move).
+        max_steps: at most this many moves.
+
+    Returns:
+        Whether every part ends at ``<= cap`` tokens.
+    """
+    tsum = tok[rows].sum(axis=1)
+    level = 0  # the compute allowance that last admitted a move: start one below it
+    for _ in range(max_steps):
+        p = int(np.argmax(tsum))
+        excess = float(tsum[p] - cap)
+        if excess <= 0:
+            return True
+        partners = _partners(tsum, p)
+        move = None
+        for lev in range(max(0, level - 1), len(_SLACK)):
+            level = lev
+            allowed = max(float(loads.max()), float(bound) * (1 + _SLACK[lev]))
+            for q in partners:
+                room = float(cap - tsum[q])
+                if room <= 0:
+                    continue
+                # Out of p: tokens in (0, room], both compute loads <= allowed;
+                # the most tokens (up to the excess) first, then the lower pair.
+                found = _best_move(vals, tok, rows, p, q,
+                                   (float(loads[p]) - allowed, allowed - float(loads[q])),
+                                   (1e-9, room), loads, clear=excess)
+                if found is not None and (move is None or found[0] < move[0]):
+                    move = found
+            if move is not None:
+                break
+        if move is None:
+            return False
+        _apply(vals, tok, rows, loads, tsum, move[1])
+    return bool(tsum.max() <= cap)
+
+
+def polish_capped(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,
+                  cap: float, target: float, max_steps: int) -> None:
+    """Lower the max compute load towards ``target``, every part staying ``<= cap`` tokens."""
+    tsum = tok[rows].sum(axis=1)
+    one = 1.0 if vals.dtype.kind != "f" else 0.0
+    for _ in range(max_steps):
+        p = int(np.argmax(loads))
+        if loads[p] <= target:
+            return
+        move = None
+        for q in _partners(loads, p):
+            gap = float(loads[p] - loads[q])
+            if gap <= one:
+                continue
+            found = _best_move(vals, tok, rows, p, q, (one, gap - one),
+                               (float(tsum[p] - cap), float(cap - tsum[q])), loads)
+            if found is not None and (move is None or found[0] < move[0]):
+                move = found
+        if move is None:
+            return
+        _apply(vals, tok, rows, loads, tsum, move[1])
+
+
+def _partners(key: np.ndarray, p: int) -> list[int]:
+    """The ``_PARTNERS`` parts other than ``p`` with the smallest ``key`` (ties by
+    index): token sums in repair (most room), compute loads in polish."""
+    order = np.argsort(key, kind="stable")
+    out: list[int] = [int(q) for q in order[: _PARTNERS + 1] if q != p][:_PARTNERS]
+    return out
+
+
+def _best_move(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, p: int, q: int,
+               win_c: tuple[float, float], win_t: tuple[float, float], loads: np.ndarray,
+               clear: float | None = None) -> tuple[float, Move] | None:
+    """Best single or two-for-two swap p <-> q moving ``(dc, dt)`` (out of p) in the windows.
+
+    Scored by the pair's new compute max; with ``clear`` a move that moves at
+    least ``clear`` tokens beats every one that does not.
+    """
+    b = rows.shape[1]
+    cp, tp = vals[rows[p]].astype(np.float64), tok[rows[p]].astype(np.float64)
+    cq, tq = vals[rows[q]].astype(np.float64), tok[rows[q]].astype(np.float64)
+    dc = (cp[:, None] - cq[None, :]).ravel()
+    dt = (tp[:, None] - tq[None, :]).ravel()
+    lp, lq = float(loads[p]), float(loads[q])
+
+    def score(c: np.ndarray, t: np.ndarray) -> np.ndarray:
+        s: np.ndarray = np.maximum(lp - c, lq + c)
+        if clear is not None:
+            # The tokens still in excess afterwards first (as a fraction, so any
+            # token beats any compute), then the pair's compute.
+            s = (1.0 - np.minimum(t, clear) / clear) + 1e-6 * s / max(lp, lq, 1.0)
+        return s
+
+    ok = (dc >= win_c[0]) & (dc <= win_c[1]) & (dt >= win_t[0]) & (dt <= win_t[1])
+    best: tuple[float, Move] | None = None
+    if ok.any():
+        s = np.where(ok, score(dc, dt), np.inf)
+        i = int(np.argmin(s))
+        best = (float(s[i]), (p, q, (i // b,), (i % b,)))
+        if clear is None or dt[i] >= clear:
+            return best  # a single swap that does it all: no pair search
+    # Two-for-two: moves m1 = (i, j) and m2 = (k, l) with i != k and j != l.
+    order = np.argsort(dc, kind="stable")
+    sdc, sdt = dc[order], dt[order]
+    lo = np.searchsorted(sdc, win_c[0] - sdc, side="left")
+    hi = np.searchsorted(sdc, win_c[1] - sdc, side="right")
+    cnt = np.maximum(hi - lo, 0)
+    if cnt.sum() > _PAIR_CANDIDATES:
+        cnt = np.where(np.cumsum(cnt) <= _PAIR_CANDIDATES, cnt, 0)
+    total = int(cnt.sum())
+    if total == 0:
+        return best
+    first = np.repeat(np.arange(sdc.size), cnt)
+    second = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt) + lo[first]
+    m1, m2 = order[first], order[second]
+    c2, t2 = sdc[first] + sdc[second], sdt[first] + sdt[second]
+    ok = (m1 < m2) & (m1 // b != m2 // b) & (m1 % b != m2 % b) & (t2 >= win_t[0]) & (t2 <= win_t[1])
+    if not ok.any():
+        return best
+    s = np.where(ok, score(c2, t2), np.inf)
+    i = int(np.argmin(s))
+    if best is None or float(s[i]) < best[0]:
+        a, c = int(m1[i]), int(m2[i])
+        best = (float(s[i]), (p, q, (a // b, c // b), (a % b, c % b)))
+    return best
+
+
+def _apply(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,
+           tsum: np.ndarray, move: Move) -> None:
+    """Swap items ``rows[p, ia]`` with ``rows[q, jb]``; update loads and token sums."""
+    p, q, ia, jb = move
+    a = rows[p, list(ia)].copy()
+    bb = rows[q, list(jb)].copy()
+    dc = vals[a].sum() - vals[bb].sum()
+    dt = tok[a].sum() - tok[bb].sum()
+    rows[p, list(ia)] = bb
+    rows[q, list(jb)] = a
+    rows[p].sort()
+    rows[q].sort()
+    loads[p] -= dc
+    loads[q] += dc
+    tsum[p] -= dt
+    tsum[q] += dt
