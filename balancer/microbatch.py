@@ -300,7 +300,10 @@ def plan_micro_batches(
             CPU tensor; integers >= 0).
         max_tokens: token budget per micro-batch (padded tokens with
             ``padded``), or ``None``.
-        num_micro_batches: a fixed ``k`` (no collective), or ``None``.
+        num_micro_batches: a fixed ``k``, or ``None``. A fixed ``k`` still
+            takes part in the agreement when ``sync`` (a rank passing ``4``
+            next to one passing ``None`` is an error on both, not a hang);
+            ``sync=False`` skips the collective.
         min_micro_batches: at least this many micro-batches (e.g. the
             pipeline-parallel stages).
         divisible_by: ``k`` is a multiple of this.
@@ -333,7 +336,7 @@ def plan_micro_batches(
     """
     rank = _rank_of(pg)
     where = f"rank {rank}"
-    collective = (sync and num_micro_batches is None and dist.is_available()
+    collective = (sync and dist.is_available()
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
     err: ValueError | None = None
     un: Units | None = None
@@ -359,8 +362,8 @@ def plan_micro_batches(
         err = e
     k = k_local
     if collective:
-        fp = _fingerprint(max_tokens, min_micro_batches, divisible_by, micro_batch_size, padded,
-                          cost, groups is None)
+        fp = _fingerprint(num_micro_batches, max_tokens, min_micro_batches, divisible_by,
+                          micro_batch_size, padded, cost, groups is None)
         units = 0 if un is None else un.tokens.size
         k, bad, same, min_units = _agree(k_local, fp, err is not None, units, pg)
         if err is not None:
@@ -370,8 +373,9 @@ def plan_micro_batches(
                              f"nothing was planned ({where})")
         if not same:
             raise ValueError("plan_micro_batches got different settings on different ranks "
-                             "(max_tokens, min_micro_batches, divisible_by, micro_batch_size, "
-                             f"padded, cost, groups given or not); pass the same everywhere ({where})")
+                             "(num_micro_batches, max_tokens, min_micro_batches, divisible_by, "
+                             "micro_batch_size, padded, cost, groups given or not); pass the same "
+                             f"everywhere ({where})")
         if k > min_units:
             raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
                              f"samples or groups: a micro-batch would be empty ({where})")

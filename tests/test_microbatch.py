@@ -234,6 +234,7 @@ def _worker_agree(rank: int, world_size: int) -> dict:
         "settings": {"lengths": [5, 5], "max_tokens": [10, 20][rank]},
         "too_long": {"lengths": [[5, 5], [5, 50]][rank], "max_tokens": 10},
         "too_few": {"lengths": [[5] * 2, [5] * 8][rank], "max_tokens": 10},
+        "fixed_vs_free": {"lengths": [5] * 4, "max_tokens": 10, "num_micro_batches": [2, None][rank]},
     }
     for name, kw in cases.items():
         try:
@@ -251,6 +252,9 @@ def test_same_count_on_every_rank_and_errors_everywhere() -> None:
     assert r0["k"] == (4, 2) and r1["k"] == (4, 4), "one MAX all-reduce, rounded to divisible_by"
     assert "different settings on different ranks" in r0["settings"]
     assert "different settings on different ranks" in r1["settings"]
+    # a fixed k next to a computed one: an error on both ranks, not a hang in the all-reduce
+    assert "different settings on different ranks" in r0["fixed_vs_free"]
+    assert "different settings on different ranks" in r1["fixed_vs_free"]
     assert r1["too_long"].startswith("sample 1 needs 50 tokens, more than max_tokens=10")
     assert r1["too_long"].endswith("(rank 1)")
     assert r0["too_long"] == "plan_micro_batches failed on rank 1 (see its error); nothing was planned (rank 0)"
