@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._limits import PACKED_KEY_LIMIT
 from balancer._partition_free_refine import rounds, steps
 
 __all__ = ["check_sizes", "free_assign", "free_bound", "labels_to_lists"]
@@ -99,7 +100,7 @@ def labels_to_lists(labels: np.ndarray, w: int) -> list[list[int]]:
 
 def _sort_order(x: np.ndarray) -> np.ndarray:
     n = x.size
-    if x.dtype.kind == "i" and n and int(x.max()) < (1 << 62) // n:
+    if x.dtype.kind == "i" and n and int(x.max()) < PACKED_KEY_LIMIT // n:
         return np.argsort(x * n + np.arange(n, dtype=np.int64))  # unique keys
     return np.argsort(x, kind="stable")
 
@@ -170,7 +171,7 @@ class _State:
         """
         n, w = self.v.size, self.w
         vals = self.v[stop:][::-1]
-        if self.v.dtype.kind == "i" and float(self.v.sum()) * w < 2.0**62:
+        if self.v.dtype.kind == "i" and float(self.v.sum()) * w < PACKED_KEY_LIMIT:
             heap = (self.loads * w + np.arange(w)).tolist()
             heapq.heapify(heap)
             tops: list[int] = []

@@ -71,6 +71,7 @@ from balancer._layout import (
     section_tensor,
     wire_layout,
 )
+from balancer._limits import MAX_LENGTH
 
 __all__ = [
     "H_BATCH", "H_CONFIG", "H_DETAIL", "H_KEYS", "H_LAYOUT", "H_MAGIC", "H_PAD_LEN", "H_PAY_B", "H_PAY_K",
@@ -78,9 +79,6 @@ __all__ = [
     "H_PREV_SEQ", "H_REAL", "H_SEQ", "H_STATUS", "H_VALUE", "HEADER_LEN", "MAGIC", "Agreement", "LocalMeta", "Report", "Status", "Verdict", "capture",
     "decide", "describe_failure", "message", "payload_words",
 ]
-
-_INT32_MAX = 2**31 - 1
-
 
 class Status:
     """Bits of a header's status word (0: the rank's input is valid)."""
@@ -273,7 +271,7 @@ def _workload_checks(meta: LocalMeta, workloads: np.ndarray) -> tuple[int, float
 
 def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: float) -> None:
     r = meta.rank
-    if lengths.size and (lengths.min() < 0 or lengths.max() > _INT32_MAX):
+    if lengths.size and (lengths.min() < 0 or lengths.max() > MAX_LENGTH):
         meta.status |= Status.BAD_LENGTHS
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")

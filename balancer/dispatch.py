@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._limits import DISPATCH_TOTAL
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import kk_labels, max_ends, min_segments, segment_padded
 from balancer._partition_free import free_assign, free_bound, labels_to_lists
@@ -35,7 +36,6 @@ from balancer.partition import balanced_partition, lower_bound
 __all__ = ["DispatchPlan", "plan_dispatch"]
 
 _WHERE = "controller"
-_SCALE_TO = 2.0**50  # costs are rescaled below this so partition sums stay exact-ish
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,9 +92,9 @@ def _sub(un: Units, idx: np.ndarray) -> Units:
 
 def _scaled(x: np.ndarray) -> np.ndarray:
     total = float(x.sum())
-    if x.dtype.kind == "i" and total < _SCALE_TO:
+    if x.dtype.kind == "i" and total < DISPATCH_TOTAL:
         return x
-    return x.astype(np.float64) * (_SCALE_TO / total if total > _SCALE_TO else 1.0)
+    return x.astype(np.float64) * (DISPATCH_TOTAL / total if total > DISPATCH_TOTAL else 1.0)
 
 
 def _contiguous(u: int, w: int) -> list[np.ndarray]:

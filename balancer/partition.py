@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer._limits import MAX_TOTAL
 from balancer._partition_bound import bound_sorted
 from balancer._partition_free import free_assign, labels_to_lists
 from balancer._partition_kk import kk_equal, kk_free
@@ -80,10 +81,6 @@ __all__ = [
     "lower_bound",
     "partition_stats",
 ]
-
-# Total workload must stay below this so that doubled sums never overflow int64.
-_MAX_TOTAL = 1 << 61
-
 
 def _check_num_parts(num_parts: int) -> None:
     if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)):
@@ -116,7 +113,7 @@ def _as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np
     if n and x.min() < 0:
         i = int(np.argmin(x))
         raise ValueError(f"{name}[{i}] = {x[i]}, expected >= 0")
-    if n and float(x.sum(dtype=np.float64)) >= _MAX_TOTAL:
+    if n and float(x.sum(dtype=np.float64)) >= MAX_TOTAL:
         raise ValueError(f"{name} sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
     return x
 
