@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from balancer._partition_worker import PartitionWorker, solve
 from balancer._quantize import quantize
+from balancer.partition._balanced import solve_rows
+from balancer.partition._worker import PartitionWorker
 
 __all__ = [
     "Gathered", "KJTPlan", "PartitionFn", "PartitionResult", "PlanLayout", "RankPlan", "SectionPlan",
@@ -176,7 +177,7 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
     """Partition the gathered workloads into W parts of B (background thread).
 
     ``worker`` (the torch-free child) runs ``balanced_partition`` (+ locality)
-    when given; if it died, the same :func:`balancer._partition_worker.solve`
+    when given; if it died, the same :func:`balancer.partition._balanced.solve_rows`
     runs here, giving the rows every other rank's child gives. Otherwise ``fn``
     runs here, then ``localize``. The result is never worse than not moving.
 
@@ -200,7 +201,7 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
             except (EOFError, OSError):  # the child is gone: same computation here
                 rows = None
         if rows is None:
-            rows, seconds, bound = solve(x, w, home, sizes, quantized=True)
+            rows, seconds, bound = solve_rows(x, w, home, sizes, quantized=True)
         rows = validate_partition(rows, w, b)
     else:
         t0 = perf_counter()
@@ -224,7 +225,8 @@ def partition_free(g: Gathered, layout: PlanLayout, capacity: int, locality: boo
     W x W overlap); items are not traded. Never worse than equal counts
     (``balanced_partition`` is tried too), nor than not moving.
     """
-    from balancer._partition_free import free_assign, free_bound
+    from balancer.partition._bound import bound_sorted
+    from balancer.partition._free import free_assign
 
     w, b = g.world_size, g.batch_size
     idx = np.flatnonzero(real_mask(g.real, b))
@@ -242,7 +244,7 @@ def partition_free(g: Gathered, layout: PlanLayout, capacity: int, locality: boo
         labels = _assign_parts(labels, home, sizes[idx], w)
     # Equal counts are one answer the free problem allows: keep whichever of
     # the two has the smaller max load (the free heuristic is not always better).
-    rows, _, _ = solve(g.workloads, w, dest if locality else None, sizes if locality else None, quantized=True)
+    rows, _, _ = solve_rows(g.workloads, w, dest if locality else None, sizes if locality else None, quantized=True)
     equal = destinations(rows, w * b)[idx]
     load = lambda lab: np.bincount(lab, weights=q, minlength=w).max(initial=0)  # noqa: E731
     if load(equal) < load(labels):
@@ -252,7 +254,7 @@ def partition_free(g: Gathered, layout: PlanLayout, capacity: int, locality: boo
     dest[idx] = labels
     seconds = perf_counter() - t0
     top = float(x.max(initial=0.0))
-    bound = float(free_bound(np.sort(x / top), w, 0, capacity)) * top if top > 0 else 0.0
+    bound = float(bound_sorted(np.sort(x / top), w, equal_size=False, max_size=capacity)) * top if top > 0 else 0.0
     return PartitionResult(dest, bound * (1 - 8 * x.size * np.finfo(np.float64).eps), seconds)
 
 

@@ -623,7 +623,7 @@ class BatchShuffler(_ShufflerBase):
         """The step from the planner process; if it died (killed, out of memory),
         the same :func:`plan_step` here, which every other rank's planner also runs."""
         try:
-            return self._child().submit_step(**kwargs).wait_step()  # type: ignore[no-any-return]
+            return self._child().submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
         except (EOFError, OSError) as e:
             logger.warning("balancer: the planner process failed (%s); planning in-process", e)
             return plan_step(**kwargs)

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from balancer._layout import wire_layout
-from balancer._partition_worker import PartitionWorker
 from balancer._plan import (
     Gathered,
     destinations,
@@ -16,7 +15,7 @@ from balancer._plan import (
     sample_bytes,
     validate_partition,
 )
-from balancer.partition import balanced_partition, localize, lower_bound
+from balancer.partition import PartitionWorker, balanced_partition, localize, lower_bound
 from tests.reference import greedy
 from tests.test_layout import layout_batch
 
@@ -149,7 +148,7 @@ def test_plan_step_in_the_planner_process_equals_in_process() -> None:
     try:
         for rank in range(w):
             args = dict(rows=rows, layout=layout, seq=3, rank=rank, comm="all2all", locality=True)
-            child, local = worker.submit_step(**args).wait_step(), plan_step(**args)
+            child, local = worker.submit_call(plan_step, **args).wait_call(), plan_step(**args)
             assert child.digest == local.digest and child.dest.tolist() == local.dest.tolist()
             assert child.exchange.send_splits == local.exchange.send_splits
             assert np.array_equal(child.exchange.blob.i64, local.exchange.blob.i64)
