@@ -50,11 +50,11 @@ from torch.profiler import record_function
 from balancer import _comm
 from balancer._calibrate import CostModel, OnlineFit
 from balancer._comm import ShuffleGroups
+from balancer._destinations import PartitionFn
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors, host_tensors
 from balancer._header import H_MEAS_SEQ, H_MEAS_TIME
 from balancer._layout import WireLayout, fingerprint, section_tensor, wire_layout
-from balancer._plan import PartitionFn
 from balancer._protocol import (
     HEADER_LEN,
     Agreement,

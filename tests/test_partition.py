@@ -338,7 +338,7 @@ def _child_modules() -> functools.partial[Any]:
 def test_partition_worker_child_imports_no_torch() -> None:
     """The child runs the partition and the shuffler's planning with numpy alone."""
     from balancer._header import H_REAL, HEADER_LEN
-    from balancer._plan import PlanLayout
+    from balancer._plan_layout import PlanLayout
     from balancer._step import plan_step
 
     w, b = 2, 3

@@ -1,20 +1,14 @@
-"""Pure planning (balancer._plan), run for every rank in one process."""
+"""Pure planning (balancer._destinations, _plan, _plan_layout), run for every rank in one process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from balancer._destinations import destinations, partition, validate_partition
 from balancer._layout import wire_layout
-from balancer._plan import (
-    Gathered,
-    destinations,
-    partition,
-    plan_digest,
-    plan_rank,
-    sample_bytes,
-    validate_partition,
-)
+from balancer._plan import Gathered, plan_digest, plan_rank
+from balancer._plan_layout import sample_bytes
 from balancer.partition import PartitionWorker, balanced_partition, localize, lower_bound
 from tests.reference import greedy
 from tests.test_layout import layout_batch
