@@ -1,6 +1,6 @@
 """One shuffle's planning, from the gathered phase-1 messages to this rank's plan (numpy only).
 
-After every rank agreed (:mod:`balancer._protocol`), what remains is pure
+After every rank agreed (:mod:`balancer._agreement`), what remains is pure
 computation on the gathered messages: the partition, this rank's plan, every
 byte and index of phase 2, and the statistics. :func:`plan_step` does all of
 it, importing no torch, so it runs where it costs the training loop nothing:

@@ -48,25 +48,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from balancer import _comm
+from balancer._agreement import Agreement, Report, Verdict, decide, describe_failure
 from balancer._calibrate import CostModel, OnlineFit
 from balancer._comm import ShuffleGroups
 from balancer._destinations import PartitionFn
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors, host_tensors
-from balancer._header import H_MEAS_SEQ, H_MEAS_TIME
+from balancer._header import H_MEAS_SEQ, H_MEAS_TIME, HEADER_LEN
 from balancer._layout import WireLayout, fingerprint, section_tensor, wire_layout
-from balancer._protocol import (
-    HEADER_LEN,
-    Agreement,
-    LocalMeta,
-    Report,
-    Verdict,
-    capture,
-    decide,
-    describe_failure,
-    layout_description,
-    message,
-)
+from balancer._protocol import LocalMeta, capture, layout_description, message
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer._step import Step, plan_step
 from balancer._version import __version__
