@@ -31,6 +31,9 @@ Three steps, three threads of control (the first two here):
 3. :func:`balancer._agreement.decide` (background thread, pure) -- from the
    gathered headers, the same verdict on every rank: proceed, agree on a new
    size and gather again, or fail (:mod:`balancer._agreement`).
+
+:func:`batch_mismatch` checks, in phase 2, that the batch given to
+``finish_shuffle`` is the one :func:`capture` saw.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ from balancer._layout import (
 )
 from balancer._limits import MAX_LENGTH
 
-__all__ = ["LocalData", "LocalMeta", "Status", "capture", "layout_description", "lengths_matrix", "message"]
+__all__ = [
+    "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix", "message",
+]
 
 
 class Status:
@@ -263,3 +268,26 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
 
 def layout_description(meta: LocalMeta) -> dict[str, str]:
     return meta.layout.describe() if meta.layout is not None else {"batch class": "not a batch"}
+
+
+def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tuple[type[Any], ...]) -> str:
+    """Why ``batch`` cannot finish the shuffle ``meta`` started ("" if it can); shapes only.
+
+    ``finish_shuffle`` checks it on this rank before using up the handle.
+    """
+    if meta is None or meta.layout is None or meta.status:
+        return ""
+    if not isinstance(batch, base_type):
+        names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
+        return f"batch is a {type(batch).__name__}, expected a {names}"
+    layout = wire_layout(batch)
+    if layout.fingerprint != meta.layout_fp:
+        return "batch has another layout (fields, keys, dtypes or per-sample shapes)"
+    if batch.actual_batch_size != meta.real:
+        return f"batch has actual_batch_size={batch.actual_batch_size}, the started one {meta.real}"
+    for s in layout.sections:
+        if s.jagged:
+            n = section_tensor(batch, s).numel()
+            if n != meta.numels.get((s.field, s.part)):
+                return f"{s.field}.{s.part} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
+    return ""
