@@ -33,10 +33,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CostModel", "OnlineFit", "features", "nnls_small"]
+from balancer._header import H_MEAS_SEQ, H_MEAS_TIME
+
+__all__ = ["CalibrationState", "CostModel", "OnlineFit", "features", "nnls_small"]
 
 FEATURES = ("w", "L^2", "L", "1")
 
@@ -158,3 +162,49 @@ class OnlineFit:
         if alpha + beta + gamma + delta <= 0:  # nothing per sample: keep the workload_fn
             return None
         return CostModel(alpha, beta, gamma, delta, c0, int(keep.sum()), rel)
+
+
+class CalibrationState:
+    """The shuffler's side of online calibration.
+
+    On the calling thread, the latest compute time this rank reports (a
+    number, or CUDA events read once complete, never waited for); on the
+    background thread, per process group, the fit of the gathered times and
+    the model later partitions use.
+    """
+
+    def __init__(self) -> None:
+        self._measured: tuple[int, float] = (-1, 0.0)  # the latest compute time to report
+        self._timing: tuple[int, list[tuple[Any, Any]]] | None = None  # CUDA events not yet complete
+        self._fits: dict[str, OnlineFit] = {}  # background thread only
+        self._models: dict[str, CostModel | None] = {}  # background thread only
+
+    def report(self, seq: int, seconds: float | None, events: Sequence[tuple[Any, Any]]) -> None:
+        """Shuffle ``seq``'s compute took ``seconds``, or the time between each ``(start, end)`` pair."""
+        if seconds is not None:
+            self._measured, self._timing = (seq, float(seconds)), None
+        elif events:
+            self._timing = (seq, list(events))
+
+    def latest(self) -> tuple[int, float]:
+        """``(shuffle, seconds)`` of the latest complete report, ``(-1, 0.0)`` before any."""
+        if self._timing is not None:
+            seq, pairs = self._timing
+            if all(end.query() for _, end in pairs):  # never waits: read once complete
+                self._measured = (seq, sum(start.elapsed_time(end) for start, end in pairs) / 1e3)
+                self._timing = None
+        return self._measured
+
+    def update(self, key: str, rows: np.ndarray, seq: int) -> OnlineFit:
+        """Add the measurements in the gathered messages ``rows`` to group ``key``'s
+        fit; refit every few shuffles (at the same shuffles on every rank, from
+        the same data)."""
+        fit = self._fits.setdefault(key, OnlineFit())
+        fit.observe(rows[:, H_MEAS_SEQ].astype(np.int64), rows[:, H_MEAS_TIME].copy().view(np.float64))
+        if seq % 4 == 0 or self._models.get(key) is None:
+            self._models[key] = fit.fit()
+        return fit
+
+    def model(self, key: str) -> CostModel | None:
+        """The model group ``key`` partitions with, ``None`` before the first fit."""
+        return self._models.get(key)

@@ -36,7 +36,8 @@ from typing import Literal
 
 import numpy as np
 
-from balancer._plan import Gathered, PlanLayout, RankPlan, SectionPlan
+from balancer._plan import Gathered, RankPlan
+from balancer._plan_layout import PlanLayout, SectionPlan
 from balancer._runs import HostBlob, IndexBlob, RunGather, RunPut, plan_puts, plan_runs
 
 __all__ = ["Exchange", "Traffic", "plan_exchange"]

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer._plan import KJTPlan, PlanLayout, SectionPlan
+from balancer._plan_layout import KJTPlan, PlanLayout, SectionPlan
 from balancer.tokens import TokenBatch
 
 __all__ = [

@@ -5,7 +5,7 @@ Units are samples, or groups of samples that must stay together.
 * **Summed cost** (:func:`pack_sum`): a micro-batch costs the sum of its
   units' costs (packed sequences, variable-length attention). Minimise the
   slowest micro-batch subject to a hard token cap. Starts: LPT by cost under
-  the cap (``balancer/_partition_free.py``) and Karmarkar-Karp by cost (when
+  the cap (``balancer/partition/_free.py``) and Karmarkar-Karp by cost (when
   it fits the cap); if neither fits, a token-balanced partition (the best
   packing check we have: it minimises the largest token sum). Each start is
   refined by cost without breaking the cap; the best one is kept.
@@ -27,7 +27,7 @@ import heapq
 
 import numpy as np
 
-from balancer._partition_free import free_assign
+from balancer.partition._free import free_assign
 
 __all__ = ["kk_labels", "max_ends", "min_segments", "pack_sum", "segment_padded"]
 

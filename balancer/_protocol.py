@@ -1,4 +1,4 @@
-"""Phase 1's agreement protocol: what each rank contributes, and how all ranks decide alike.
+"""Phase 1's protocol: what each rank contributes to the metadata all-gather.
 
 Every shuffle, every rank contributes one int64 message to an all-gather on the
 shuffler's own CPU (gloo) group, issued by the shuffler's background thread::
@@ -18,7 +18,7 @@ earlier, never from local data: a gloo all-gather whose ranks pass different
 sizes aborts a process. A rank whose batch does not fit the agreement sends a
 zero payload and its header says why.
 
-Three steps, three threads of control:
+Three steps, three threads of control (the first two here):
 
 1. :func:`capture` (calling thread) -- host checks of shapes and dtypes, then
    the device part (workloads, device-detected status, lengths) built with
@@ -28,42 +28,25 @@ Three steps, three threads of control:
 2. :func:`message` (background thread) -- waits for the event, checks the
    values (negative or non-finite workloads, negative or huge lengths, values
    that do not match their lengths) and assembles the message.
-3. :func:`decide` (background thread, pure) -- from the gathered headers, the
-   same verdict on every rank: proceed, agree on a new size and gather again,
-   or fail. Failures are described by :func:`describe_failure`, from every
-   rank's :class:`Report` (one object all-gather, on the error path only), so
-   the error names the field, each rank's value and the offending ranks.
+3. :func:`balancer._agreement.decide` (background thread, pure) -- from the
+   gathered headers, the same verdict on every rank: proceed, agree on a new
+   size and gather again, or fail (:mod:`balancer._agreement`).
+
+:func:`batch_mismatch` checks, in phase 2, that the batch given to
+``finish_shuffle`` is the one :func:`capture` saw.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from balancer._header import (
-    H_BATCH,
-    H_CONFIG,
-    H_DETAIL,
-    H_KEYS,
-    H_LAYOUT,
-    H_MAGIC,
-    H_MEAS_TIME,
-    H_PAD_LEN,
-    H_PAY_B,
-    H_PAY_K,
-    H_PREV_DIGEST,
-    H_PREV_SEQ,
-    H_REAL,
-    H_SEQ,
-    H_STATUS,
-    H_VALUE,
-    HEADER_LEN,
-    MAGIC,
-)
+from balancer._agreement import Agreement, payload_words
+from balancer._header import H_MEAS_TIME, H_PAD_LEN, HEADER_LEN, MAGIC
 from balancer._layout import (
     WireLayout,
     layout_problems,
@@ -71,15 +54,11 @@ from balancer._layout import (
     section_tensor,
     wire_layout,
 )
+from balancer._limits import MAX_LENGTH
 
 __all__ = [
-    "H_BATCH", "H_CONFIG", "H_DETAIL", "H_KEYS", "H_LAYOUT", "H_MAGIC", "H_PAD_LEN", "H_PAY_B", "H_PAY_K",
-    "H_PREV_DIGEST",
-    "H_PREV_SEQ", "H_REAL", "H_SEQ", "H_STATUS", "H_VALUE", "HEADER_LEN", "MAGIC", "Agreement", "LocalMeta", "Report", "Status", "Verdict", "capture",
-    "decide", "describe_failure", "message", "payload_words",
+    "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix", "message",
 ]
-
-_INT32_MAX = 2**31 - 1
 
 
 class Status:
@@ -90,22 +69,6 @@ class Status:
     NONFINITE = 4  # a real sample's workload is NaN or infinite (detail: its index)
     BAD_REAL = 8  # actual_batch_size outside [0, batch_size]
     BAD_LENGTHS = 16  # a KJT length < 0 or >= 2**31, or values that do not match the lengths
-
-
-@dataclasses.dataclass(frozen=True)
-class Agreement:
-    """What every rank agreed on; the payload is sized from it."""
-
-    batch_size: int
-    num_lengths: int
-    layout: int
-
-
-def payload_words(a: Agreement | None) -> int:
-    """int64 words of the payload under ``a`` (0 before any agreement)."""
-    if a is None:
-        return 0
-    return a.batch_size + (a.num_lengths * a.batch_size + 1) // 2
 
 
 @dataclasses.dataclass
@@ -273,7 +236,7 @@ def _workload_checks(meta: LocalMeta, workloads: np.ndarray) -> tuple[int, float
 
 def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: float) -> None:
     r = meta.rank
-    if lengths.size and (lengths.min() < 0 or lengths.max() > _INT32_MAX):
+    if lengths.size and (lengths.min() < 0 or lengths.max() > MAX_LENGTH):
         meta.status |= Status.BAD_LENGTHS
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")
@@ -303,141 +266,28 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
                   f"{s.width} = {expected} (rank {r})")
 
 
-# ------------------------------------------------------------------ verdict
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What every rank does after a gather; identical on every rank.
-
-    ``kind``: ``"ok"`` (payload valid under ``agreement``), ``"retry"`` (every
-    rank moved to the same new ``agreement``: gather again), ``"error"``
-    (``problems`` lists what failed; ``exchange`` says whether the ranks can
-    swap :class:`Report` s to describe it).
-    """
-
-    kind: Literal["ok", "retry", "error"]
-    agreement: Agreement | None = None
-    problems: tuple[str, ...] = ()
-    exchange: bool = True
-
-
-def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
-    """The verdict for gathered headers ``[W, HEADER_LEN]`` (row r from rank r).
-
-    Example (W=2, nothing agreed yet, then agreed on B=4)::
-
-        both send B=4, same layout, no payload     -> retry (agree on B=4)
-        both send B=4, payload sized for B=4       -> ok
-        rank 1 sends status NEGATIVE               -> error ["status"]
-        rank 1 sends B=6                           -> error ["layout"]
-    """
-    w = headers.shape[0]
-    if any(int(headers[r, H_MAGIC]) != MAGIC for r in range(w)):
-        return Verdict("error", problems=("magic",), exchange=False)
-    problems = []
-    if any(int(headers[r, H_SEQ]) != int(headers[0, H_SEQ]) for r in range(w)):
-        problems.append("seq")
-    if any(int(headers[r, H_STATUS]) for r in range(w)):
-        problems.append("status")
-    if any(int(headers[r, H_CONFIG]) != int(headers[0, H_CONFIG]) for r in range(w)):
-        problems.append("config")
-    prev = headers[:, H_PREV_SEQ]
-    if (prev >= 0).all() and (prev == prev[0]).all() and (headers[:, H_PREV_DIGEST] != headers[0, H_PREV_DIGEST]).any():
-        problems.append("plan")
-    schemas = {Agreement(int(h[H_BATCH]), int(h[H_KEYS]), int(h[H_LAYOUT])) for h in headers}
-    if len(schemas) > 1:
-        problems.append("layout")
-    if problems:
-        return Verdict("error", problems=tuple(problems))
-    (schema,) = schemas
-    sized = all(int(h[H_PAY_B]) == schema.batch_size and int(h[H_PAY_K]) == schema.num_lengths
-                for h in headers)
-    if schema == agreed and sized:
-        return Verdict("ok", agreed)
-    return Verdict("retry", schema)
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What a rank tells its peers when a verdict is an error (picklable)."""
-
-    rank: int
-    seq: int
-    error: str
-    layout: dict[str, str]
-    config: dict[str, str]
-
-
-def _groups(values: Sequence[Any]) -> str:
-    """``ranks [0, 2]: 'a'; rank 1: 'b'`` -- every rank's value, grouped."""
-    order: dict[Any, list[int]] = {}
-    for r, v in enumerate(values):
-        order.setdefault(v, []).append(r)
-    parts = [f"ranks {rs}: {v!r}" if len(rs) > 1 else f"rank {rs[0]}: {v!r}" for v, rs in order.items()]
-    return "; ".join(parts)
-
-
-def _odd(values: Sequence[Any]) -> list[int]:
-    """Ranks whose value differs from the most common one (rank 0's on a tie)."""
-    counts: dict[Any, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    common = max(counts, key=lambda v: (counts[v], v == values[0]))
-    return [r for r, v in enumerate(values) if v != common]
-
-
-def _field_diffs(dicts: Sequence[dict[str, str]]) -> tuple[list[str], list[int]]:
-    keys = list(dict.fromkeys(k for d in dicts for k in d))
-    lines, offenders = [], set()
-    for key in keys:
-        values = [d.get(key, "absent") for d in dicts]
-        if len(set(values)) > 1:
-            lines.append(f"{key!r}: {_groups(values)}")
-            offenders.update(_odd(values))
-    return lines, sorted(offenders)
-
-
-def describe_failure(verdict: Verdict, headers: np.ndarray, reports: list[Report] | None) -> tuple[str, list[int]]:
-    """The error text of a failed verdict (the same on every rank) and the offending ranks."""
-    w = headers.shape[0]
-    if reports is None:  # a rank speaks another protocol: nothing more can be exchanged
-        bad = [r for r in range(w) if int(headers[r, H_MAGIC]) != MAGIC]
-        return (f"rank(s) {bad} sent an unrecognised shuffle header (a different balancer version, "
-                "or shuffles issued in a different order)", bad)
-    parts, offenders = [], set()
-    if "seq" in verdict.problems:
-        seqs = [int(h[H_SEQ]) for h in headers]
-        odd = _odd(seqs)
-        offenders.update(odd)
-        parts.append(f"ranks are at different shuffles ({_groups(['#' + str(s) for s in seqs])}): rank(s) "
-                     f"{odd} started more or fewer shuffles, e.g. skipped a finish_shuffle or used "
-                     "another shuffler")
-    if "status" in verdict.problems:
-        bad = [r for r in range(w) if int(headers[r, H_STATUS])]
-        offenders.update(bad)
-        parts.append(f"invalid shuffle input on rank(s) {bad}: " + "; ".join(reports[r].error for r in bad))
-    if "config" in verdict.problems:
-        lines, odd = _field_diffs([rep.config for rep in reports])
-        offenders.update(odd)
-        parts.append(f"shuffler configuration differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
-    if "layout" in verdict.problems:
-        # A rank whose input is invalid already has its message; compare the rest.
-        valid = [r for r in range(w) if not int(headers[r, H_STATUS])]
-        lines, odd = _field_diffs([reports[r].layout for r in valid])
-        odd = [valid[i] for i in odd]
-        offenders.update(odd)
-        if lines:
-            parts.append(f"batch layout differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
-    if "plan" in verdict.problems:
-        digests = [int(h[H_PREV_DIGEST]) for h in headers]
-        odd = _odd(digests)
-        offenders.update(odd)
-        parts.append(f"the partition of shuffle #{int(headers[0, H_PREV_SEQ])} differed on rank(s) {odd}: "
-                     "the partition function is not deterministic across ranks")
-    return "; ".join(parts), sorted(offenders)
-
-
 def layout_description(meta: LocalMeta) -> dict[str, str]:
     return meta.layout.describe() if meta.layout is not None else {"batch class": "not a batch"}
 
 
-__all__ += ["LocalData", "layout_description", "lengths_matrix", "wire_layout"]
+def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tuple[type[Any], ...]) -> str:
+    """Why ``batch`` cannot finish the shuffle ``meta`` started ("" if it can); shapes only.
+
+    ``finish_shuffle`` checks it on this rank before using up the handle.
+    """
+    if meta is None or meta.layout is None or meta.status:
+        return ""
+    if not isinstance(batch, base_type):
+        names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
+        return f"batch is a {type(batch).__name__}, expected a {names}"
+    layout = wire_layout(batch)
+    if layout.fingerprint != meta.layout_fp:
+        return "batch has another layout (fields, keys, dtypes or per-sample shapes)"
+    if batch.actual_batch_size != meta.real:
+        return f"batch has actual_batch_size={batch.actual_batch_size}, the started one {meta.real}"
+    for s in layout.sections:
+        if s.jagged:
+            n = section_tensor(batch, s).numel()
+            if n != meta.numels.get((s.field, s.part)):
+                return f"{s.field}.{s.part} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
+    return ""

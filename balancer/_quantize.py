@@ -7,7 +7,8 @@ partitioner integers proportional to them: the largest workload becomes
 * **Any scale works.** Costs in seconds (``1e-3 * tokens``) or in FLOPs
   (``1e12``) give the same integers; nothing small rounds to 0 unless it is
   below ``2**-27`` of the largest sample, and nothing large overflows: the
-  total stays below ``N * 2**26``, far from ``2**60``.
+  total stays below ``N * 2**26``, far from the partitioner's limit
+  (:data:`balancer._limits.MAX_TOTAL`).
 * **Invariance.** ``x / max`` is one correctly rounded division, so
   multiplying every workload by a positive constant ``c`` changes each ratio
   by at most ~3 ulp (2e-8 after the ``2**26`` scaling). When the workloads are

@@ -1,6 +1,6 @@
 """One shuffle's planning, from the gathered phase-1 messages to this rank's plan (numpy only).
 
-After every rank agreed (:mod:`balancer._protocol`), what remains is pure
+After every rank agreed (:mod:`balancer._agreement`), what remains is pure
 computation on the gathered messages: the partition, this rank's plan, every
 byte and index of phase 2, and the statistics. :func:`plan_step` does all of
 it, importing no torch, so it runs where it costs the training loop nothing:
@@ -21,18 +21,11 @@ from typing import Any
 import numpy as np
 
 from balancer._calibrate import CostModel, features
+from balancer._destinations import PartitionFn, partition
 from balancer._exchange import Exchange, Traffic, plan_exchange
 from balancer._header import H_PAD_LEN, H_REAL, HEADER_LEN
-from balancer._plan import (
-    Gathered,
-    PartitionFn,
-    PlanLayout,
-    moved_mask,
-    partition,
-    plan_digest,
-    plan_rank,
-    real_mask,
-)
+from balancer._plan import Gathered, moved_mask, plan_digest, plan_rank, real_mask
+from balancer._plan_layout import PlanLayout
 from balancer._stats import ShuffleStats, build_stats
 
 __all__ = ["Step", "gathered_from", "plan_step"]

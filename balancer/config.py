@@ -8,6 +8,9 @@ flags onto this dataclass (see ``examples/train_hstu.py``) and hands it to
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from typing import Any
 
 __all__ = ["BalancerConfig"]
 
@@ -41,6 +44,24 @@ def check_timeout(owner: str, field: str, value: object) -> None:
     """Raise ValueError unless ``value`` is a finite number of seconds > 0 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ValueError(f"{owner}: {field}={value!r}, expected a finite number of seconds > 0")
+
+
+def identity(obj: Any) -> str:
+    """What ranks compare to check they configured the same callable.
+
+    Frozen dataclasses (the estimators) by value; other callables by name --
+    never by ``repr``, which may hold a per-process address. A wrapper that
+    sets ``__wrapped__`` (``functools.wraps``) is identified by what it wraps.
+    """
+    obj = inspect.unwrap(obj) if hasattr(obj, "__wrapped__") else obj  # wrappers name what they wrap
+    if isinstance(obj, functools.partial):
+        return f"partial({identity(obj.func)})"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        text = repr(obj)
+        if " at 0x" not in text:
+            return text
+    target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
 
 
 @dataclasses.dataclass(frozen=True)

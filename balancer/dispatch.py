@@ -26,16 +26,17 @@ from typing import Any
 
 import numpy as np
 
+from balancer._limits import DISPATCH_TOTAL
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import kk_labels, max_ends, min_segments, segment_padded
-from balancer._partition_free import free_assign, free_bound, labels_to_lists
 from balancer.microbatch import MicroBatchPlan, _finish, _local_k, _plan_k
 from balancer.partition import balanced_partition, lower_bound
+from balancer.partition._bound import bound_sorted
+from balancer.partition._free import free_assign, labels_to_lists
 
 __all__ = ["DispatchPlan", "plan_dispatch"]
 
 _WHERE = "controller"
-_SCALE_TO = 2.0**50  # costs are rescaled below this so partition sums stay exact-ish
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,9 +93,9 @@ def _sub(un: Units, idx: np.ndarray) -> Units:
 
 def _scaled(x: np.ndarray) -> np.ndarray:
     total = float(x.sum())
-    if x.dtype.kind == "i" and total < _SCALE_TO:
+    if x.dtype.kind == "i" and total < DISPATCH_TOTAL:
         return x
-    return x.astype(np.float64) * (_SCALE_TO / total if total > _SCALE_TO else 1.0)
+    return x.astype(np.float64) * (DISPATCH_TOTAL / total if total > DISPATCH_TOTAL else 1.0)
 
 
 def _contiguous(u: int, w: int) -> list[np.ndarray]:
@@ -255,7 +256,7 @@ def plan_dispatch(
     else:
         raise ValueError(f"no split gives every rank {k} {kind} ({where})")
     loads = np.array([float(un.cost[p].sum()) for p in parts])
-    bound = (free_bound(np.sort(x), w, min_size) if order_free else lower_bound(x, w))
+    bound = (bound_sorted(np.sort(x), w, equal_size=False, min_size=min_size) if order_free else lower_bound(x, w))
     bound = float(bound) * float(un.cost.sum()) / max(float(x.sum()), 1e-300)
     before = _contiguous(u, w)
     loads_before = np.array([float(un.cost[p].sum()) for p in before])

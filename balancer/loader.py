@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer import _comm
-from balancer._plan import PartitionFn
+from balancer._destinations import PartitionFn
 from balancer.batch import BaseBatch, pad_batch
 from balancer.config import check_bool, check_interval, check_timeout
 from balancer.errors import ShuffleAbortedError

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import max_ends, min_segments, pack_sum, segment_padded
-from balancer._partition_free import free_bound
+from balancer.partition._bound import bound_sorted
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
         bound = float(un.sample_cost.sum())
     else:
         costs = np.bincount(labels, weights=un.cost, minlength=k)
-        bound = max(float(free_bound(np.sort(un.cost), k, 1)), _capped_bound(un, k, cap))
+        bound = max(float(bound_sorted(np.sort(un.cost), k, equal_size=False, min_size=1)), _capped_bound(un, k, cap))
     # Input-order chunks of about equal unit counts: what a loader would do.
     chunk = np.repeat(np.arange(k), np.diff(np.arange(k + 1) * u // k))
     b_rows = np.bincount(chunk, weights=un.rows, minlength=k)

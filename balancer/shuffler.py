@@ -20,6 +20,12 @@ Per step, on every rank of the group (each step is a collective):
 
 ``shuffle(batch)`` is ``finish_shuffle(batch, start_shuffle_async(batch))``.
 
+This module orchestrates; the parts live in their own modules: handles and
+their bookkeeping (``_handle``), this rank's phase-1 message (``_protocol``),
+the verdict (``_agreement``), the plan (``_step``, in the planner process of
+:class:`~balancer.partition.PartitionWorker`), the collectives (``_comm``) and
+online calibration (``_calibrate``). docs/design.md walks the data path.
+
 Failures. Bad input on one rank (batch size, layout, workloads, config, shuffle
 order) is reported in phase 1's message, so every rank raises the same
 ``ValueError`` from ``finish_shuffle``, naming the field, each rank's value and
@@ -31,16 +37,11 @@ missing ranks; the shuffler is then closed.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import functools
-import inspect
 import logging
-import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,26 +49,17 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from balancer import _comm
-from balancer._calibrate import CostModel, OnlineFit
+from balancer._agreement import Agreement, Report, Verdict, decide, describe_failure
+from balancer._calibrate import CalibrationState
 from balancer._comm import ShuffleGroups
-from balancer._exchange import Exchange, Traffic
-from balancer._gather import HostTensors, host_tensors
-from balancer._header import H_MEAS_SEQ, H_MEAS_TIME
-from balancer._layout import WireLayout, fingerprint, section_tensor, wire_layout
-from balancer._plan import PartitionFn
-from balancer._protocol import (
-    HEADER_LEN,
-    Agreement,
-    LocalMeta,
-    Report,
-    Verdict,
-    capture,
-    decide,
-    describe_failure,
-    layout_description,
-    message,
-)
-from balancer._stats import ShuffleStats, build_stats, format_stats
+from balancer._destinations import PartitionFn
+from balancer._exchange import Traffic
+from balancer._gather import host_tensors
+from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
+from balancer._header import HEADER_LEN
+from balancer._layout import WireLayout, fingerprint
+from balancer._protocol import LocalMeta, batch_mismatch, capture, layout_description, message
+from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
 from balancer._version import __version__
 from balancer.batch import BaseBatch, pad_batch, replace_unchecked, trusted
@@ -78,6 +70,7 @@ from balancer.config import (
     check_choice,
     check_interval,
     check_timeout,
+    identity,
 )
 from balancer.errors import ShuffleAbortedError
 from balancer.partition import (
@@ -93,7 +86,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats"]
 
-_B = TypeVar("_B", BaseBatch, TokenBatch)
 _BATCHES = (BaseBatch, TokenBatch)
 # Partition functions that are deterministic by construction: their plans are
 # not re-checked across ranks before phase 2 (the digest still travels with
@@ -101,194 +93,7 @@ _BATCHES = (BaseBatch, TokenBatch)
 _TRUSTED = (balanced_partition, karmarkar_karp)
 
 
-@dataclasses.dataclass
-class _HandleState:
-    finished: bool = False
-    stats: ShuffleStats | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Outcome:
-    """The background work's result: this rank's phase 2, ready to run."""
-
-    exchange: Exchange | None  # None: nothing moves anywhere, phase 2 is skipped
-    blob: HostTensors | None  # the exchange's index arrays (pinned when CUDA is present)
-    layout: WireLayout | None
-    stats: ShuffleStats
-    dest: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShuffleHandle:
-    """A started shuffle; pass it to ``finish_shuffle`` exactly once, in start order.
-
-    Attributes:
-        seq: sequence number on its shuffler (0, 1, ...).
-        world_size: W at start.
-        rank: this rank at start.
-        phase1_s: wall seconds of ``start_shuffle_async``.
-    """
-
-    seq: int
-    world_size: int
-    rank: int
-    phase1_s: float
-    _owner: object = dataclasses.field(repr=False)
-    _job: Future[_Outcome] | None = dataclasses.field(repr=False)
-    _meta: LocalMeta | None = dataclasses.field(repr=False)
-    _state: _HandleState = dataclasses.field(default_factory=_HandleState, repr=False)
-
-    @property
-    def stats(self) -> ShuffleStats:
-        """Statistics of the finished shuffle.
-
-        Raises:
-            RuntimeError: before ``finish_shuffle`` returned for this handle.
-        """
-        if self._state.stats is None:
-            raise RuntimeError(f"shuffle handle #{self.seq} has no stats: finish_shuffle it first")
-        return self._state.stats
-
-    def partition_done(self) -> bool:
-        """Whether the background work (exchange, partition, plan) finished; never blocks."""
-        return self._job is None or self._job.done()
-
-
-def _identity(obj: Any) -> str:
-    """What ranks compare to check they configured the same callable.
-
-    Frozen dataclasses (the estimators) by value; other callables by name --
-    never by ``repr``, which may hold a per-process address. A wrapper that
-    sets ``__wrapped__`` (``functools.wraps``) is identified by what it wraps.
-    """
-    obj = inspect.unwrap(obj) if hasattr(obj, "__wrapped__") else obj  # wrappers name what they wrap
-    if isinstance(obj, functools.partial):
-        return f"partial({_identity(obj.func)})"
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        text = repr(obj)
-        if " at 0x" not in text:
-            return text
-    target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
-
-
-class _ShufflerBase:
-    """Handle bookkeeping shared by both shufflers: sequence numbers, start-order
-    finishing, one finish per handle, the background thread."""
-
-    def __init__(self, workload_fn: Callable[[Any], Any] | None, log_interval: int = 0) -> None:
-        self._workload_fn = workload_fn
-        self._log_interval = log_interval
-        self._token = object()
-        self._next_seq = 0
-        # Unfinished handles by sequence number; a dropped handle drops out.
-        self._pending: weakref.WeakValueDictionary[int, ShuffleHandle] = weakref.WeakValueDictionary()
-        self._closed = False
-        self._broken: BaseException | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._finalizer: weakref.finalize | None = None
-
-    def shuffle(self, batch: _B, pg: dist.ProcessGroup | None = None) -> _B:
-        """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
-        return self.finish_shuffle(batch, self.start_shuffle_async(batch, pg), pg)
-
-    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
-        raise NotImplementedError
-
-    def finish_shuffle(self, batch: Any, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> Any:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Stop the background thread (queued work is cancelled); later calls
-        raise ``RuntimeError``. Idempotent."""
-        self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-
-    def __enter__(self) -> _ShufflerBase:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"{type(self).__name__} is closed after an aborted shuffle: {self._broken}")
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is closed")
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            # One worker: background jobs run, and issue their collectives, in
-            # start order on every rank. The finalizer stops the thread when
-            # the shuffler is garbage collected unclosed.
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="balancer-shuffle")
-            self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
-        return self._executor
-
-    def _register(self, handle: ShuffleHandle) -> ShuffleHandle:
-        self._pending[handle.seq] = handle
-        self._next_seq += 1
-        return handle
-
-    def _claim(self, handle: ShuffleHandle, mark: bool = True) -> None:
-        """Check that ``handle`` may finish now and (with ``mark``) mark it finished.
-
-        Every check depends only on calls every rank makes alike (never on
-        whether the background thread got to a handle), so all ranks agree.
-        """
-        self._check_open()
-        if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token:
-            raise RuntimeError(f"{handle!r} was not started by this {type(self).__name__}")
-        if handle._state.finished:
-            raise RuntimeError(f"shuffle handle #{handle.seq} was already finished")
-        earlier = sorted(s for s in list(self._pending.keys()) if s < handle.seq)
-        if earlier:
-            raise RuntimeError(
-                f"finish_shuffle got handle #{handle.seq} while handle(s) #{earlier} started "
-                "earlier are unfinished; finish handles in the order they were started"
-            )
-        if mark:
-            handle._state.finished = True
-            self._pending.pop(handle.seq, None)
-
-    def _local_job(self, meta: LocalMeta, comm: str) -> _Outcome:
-        """Background work of a shuffle that communicates nothing (W == 1, identity)."""
-        _, data = message(meta, meta.agreement(), (-1, 0))
-        if meta.status or data is None:
-            raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
-                             f"rank(s) [0]: {meta.error}") from meta.cause
-        assert meta.host is not None, "a valid capture has data"
-        b = meta.batch_size
-        workloads = data.workloads
-        stats = build_stats(seq=meta.seq, rank=meta.rank, comm=comm, workloads=workloads,
-                            dest=np.zeros(b, np.int64), real=np.array([meta.real]),
-                            lower_bound=max(float(workloads.sum()), float(workloads.max(initial=0.0))),
-                            partition_s=0.0, traffic=Traffic(), background_s=0.0)
-        return _Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64))
-
-    def _wait(self, handle: ShuffleHandle, limit: float | None) -> _Outcome:
-        assert handle._job is not None, "only handles with background work are waited for"
-        try:
-            return handle._job.result(timeout=limit)
-        except CancelledError:
-            raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
-        except concurrent.futures.TimeoutError:
-            err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
-                               f"within {limit:.0f} s (the partition child or a collective is stuck)")
-            self._broken = err
-            raise err from None
-
-    def _done(self, handle: ShuffleHandle, stats: ShuffleStats) -> None:
-        handle._state.stats = stats
-        if self._log_interval and handle.rank == 0 and (handle.seq + 1) % self._log_interval == 0:
-            logger.info("%s", format_stats(stats))
-
-
-class BatchShuffler(_ShufflerBase):
+class BatchShuffler(ShufflerBase):
     """Balances per-rank workload by moving samples between data-parallel ranks.
 
     Example::
@@ -392,14 +197,11 @@ class BatchShuffler(_ShufflerBase):
                 isinstance(k, str) for k in calibration_keys)):
             raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a sequence of str")
         self.calibration_keys = None if calibration_keys is None else tuple(calibration_keys)
-        self._config = {"comm": comm, "locality": str(locality), "partition": _identity(partition),
-                        "workload_fn": _identity(workload_fn), "capacity": str(capacity),
+        self._config = {"comm": comm, "locality": str(locality), "partition": identity(partition),
+                        "workload_fn": identity(workload_fn), "capacity": str(capacity),
                         "calibrate": str(calibrate), "calibration_keys": str(calibration_keys),
                         "balancer": __version__}
-        self._measured: tuple[int, float] = (-1, 0.0)  # the latest compute time to report
-        self._timing: tuple[int, list[tuple[Any, Any]]] | None = None  # CUDA events not yet complete
-        self._fits: dict[str, OnlineFit] = {}  # background thread only
-        self._models: dict[str, CostModel | None] = {}  # background thread only
+        self._calibration = CalibrationState()
         self._config_fp = fingerprint(self._config)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
@@ -439,20 +241,10 @@ class BatchShuffler(_ShufflerBase):
             return
         if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token or not handle._state.finished:
             raise ValueError(f"record_compute: {handle!r} is not a finished handle of this shuffler")
-        if seconds is not None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-                raise ValueError(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
-            self._measured, self._timing = (handle.seq, float(seconds)), None
-        elif events:
-            self._timing = (handle.seq, list(events))
-
-    def _latest_measurement(self) -> tuple[int, float]:
-        if self._timing is not None:
-            seq, pairs = self._timing
-            if all(end.query() for _, end in pairs):  # never waits: read once complete
-                self._measured = (seq, sum(start.elapsed_time(end) for start, end in pairs) / 1e3)
-                self._timing = None
-        return self._measured
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 < seconds < float("inf")):
+            raise ValueError(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
+        self._calibration.report(handle.seq, seconds, events)
 
     # ------------------------------------------------------------- phases
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
@@ -475,14 +267,14 @@ class BatchShuffler(_ShufflerBase):
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
                            base_type=_BATCHES)
-            meta.measured = self._latest_measurement()
+            meta.measured = self._calibration.latest()
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
             else:
                 job = self._pool().submit(self._job, meta, self._groups_for(group))
         return self._register(ShuffleHandle(self._next_seq, w, rank, perf_counter() - t0, self._token, job, meta))
 
-    def finish_shuffle(self, batch: _B, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> _B:
+    def finish_shuffle(self, batch: BatchT, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Phase 2: wait for the background work and redistribute.
 
         Args:
@@ -517,7 +309,7 @@ class BatchShuffler(_ShufflerBase):
             if (w, rank) != (handle.world_size, handle.rank):
                 raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
                                  f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")
-            mismatch = _mismatch(batch, handle._meta)
+            mismatch = batch_mismatch(batch, handle._meta, _BATCHES)
             if mismatch:
                 raise ValueError(f"finish_shuffle: {mismatch}; it is not the batch handle #{handle.seq} "
                                  "was started with")
@@ -557,7 +349,7 @@ class BatchShuffler(_ShufflerBase):
         self._groups.clear()
 
     # ------------------------------------------------------- background work
-    def _job(self, meta: LocalMeta, groups: ShuffleGroups) -> _Outcome:
+    def _job(self, meta: LocalMeta, groups: ShuffleGroups) -> Outcome:
         if self._broken is not None:
             raise RuntimeError(f"BatchShuffler is closed after an aborted shuffle: {self._broken}")
         t0 = perf_counter()
@@ -579,10 +371,10 @@ class BatchShuffler(_ShufflerBase):
             if self.capacity is not None and self.capacity < agreed.batch_size:
                 raise ValueError(f"BatchShuffler: capacity={self.capacity}, expected >= batch_size="
                                  f"{agreed.batch_size} (every rank's real samples must fit)")
-            fit = self._calibration(key, rows, meta.seq)
+            fit = self._calibration.update(key, rows, meta.seq) if self.calibrate else None
             kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
                           comm=self.comm, locality=self.locality, capacity=self.capacity,
-                          cost_model=self._models.get(key), length_rows=self._length_rows(meta.layout))
+                          cost_model=self._calibration.model(key), length_rows=self._length_rows(meta.layout))
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
@@ -595,18 +387,7 @@ class BatchShuffler(_ShufflerBase):
             ex = step.exchange
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(step.stats, background_s=perf_counter() - t0)
-            return _Outcome(ex, blob, meta.layout, stats, step.dest)
-
-    def _calibration(self, key: str, rows: np.ndarray, seq: int) -> OnlineFit | None:
-        """Add the gathered measurements to the fit; refit every few shuffles
-        (at the same shuffles on every rank, from the same data)."""
-        if not self.calibrate:
-            return None
-        fit = self._fits.setdefault(key, OnlineFit())
-        fit.observe(rows[:, H_MEAS_SEQ].astype(np.int64), rows[:, H_MEAS_TIME].copy().view(np.float64))
-        if seq % 4 == 0 or self._models.get(key) is None:
-            self._models[key] = fit.fit()
-        return fit
+            return Outcome(ex, blob, meta.layout, stats, step.dest)
 
     def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
         """Rows of the lengths matrix that make up L for calibration (None: all)."""
@@ -623,7 +404,7 @@ class BatchShuffler(_ShufflerBase):
         """The step from the planner process; if it died (killed, out of memory),
         the same :func:`plan_step` here, which every other rank's planner also runs."""
         try:
-            return self._child().submit_step(**kwargs).wait_step()  # type: ignore[no-any-return]
+            return self._child().submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
         except (EOFError, OSError) as e:
             logger.warning("balancer: the planner process failed (%s); planning in-process", e)
             return plan_step(**kwargs)
@@ -690,26 +471,7 @@ def _padded(batch: Any, size: int) -> Any:
     return trusted(pad_batch, batch, size)
 
 
-def _mismatch(batch: Any, meta: LocalMeta | None) -> str:
-    """Why ``batch`` cannot finish the shuffle ``meta`` started ("" if it can); shapes only."""
-    if meta is None or meta.layout is None or meta.status:
-        return ""
-    if not isinstance(batch, _BATCHES):
-        return f"batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch"
-    layout = wire_layout(batch)
-    if layout.fingerprint != meta.layout_fp:
-        return "batch has another layout (fields, keys, dtypes or per-sample shapes)"
-    if batch.actual_batch_size != meta.real:
-        return f"batch has actual_batch_size={batch.actual_batch_size}, the started one {meta.real}"
-    for s in layout.sections:
-        if s.jagged:
-            n = section_tensor(batch, s).numel()
-            if n != meta.numels.get((s.field, s.part)):
-                return f"{s.field}.{s.part} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
-    return ""
-
-
-class IdentityBatchShuffler(_ShufflerBase):
+class IdentityBatchShuffler(ShufflerBase):
     """Same API as :class:`BatchShuffler`; communicates nothing and returns the
     batch unchanged. Stats cover this rank only (``world_size == 1``).
 
@@ -731,7 +493,7 @@ class IdentityBatchShuffler(_ShufflerBase):
             job = self._pool().submit(self._local_job, meta, "identity")
         return self._register(ShuffleHandle(self._next_seq, 1, rank, perf_counter() - t0, self._token, job, meta))
 
-    def finish_shuffle(self, batch: _B, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> _B:
+    def finish_shuffle(self, batch: BatchT, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Returns ``batch`` itself."""
         self._claim(handle)
         if handle._job is None:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from balancer._limits import MAX_COST
 from balancer.batch import BaseBatch
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ __all__ = [
 
 WorkloadFn = Callable[[BaseBatch], torch.Tensor]
 """Maps a batch to an int64 tensor ``[batch_size]`` of per-sample cost."""
-
-MAX_COST = 2**62
-"""Largest cost an estimator returns. Leaves headroom below ``2**63 - 1`` so a
-consumer may add a few costs without overflowing int64."""
 
 
 # ----------------------------------------------------------------- lengths

@@ -55,7 +55,7 @@ from balancer import (  # noqa: E402
     plan_dispatch,
     plan_micro_batches,
 )
-from balancer._partition_free import free_bound  # noqa: E402
+from balancer.partition._bound import bound_sorted  # noqa: E402
 from tests.llm_reference import (  # noqa: E402
     greedy_longest_first,
     padded_cost,
@@ -121,7 +121,7 @@ def dispatch(configs: list[tuple[int, int]], seeds: int, top: int, emit: Callabl
                 for seed in range(seeds):
                     lens = lengths(dist, w * b, seed, top)
                     x = COST.of_lengths(lens)
-                    lb = free_bound(np.sort(x), w)  # no split into w parts does better
+                    lb = bound_sorted(np.sort(x), w, equal_size=False)  # no split into w parts does better
                     gaps.append(max(x[p].sum() for p in fn(lens, w)) / lb - 1)
                 lens = lengths(dist, w * b, 0, top)
                 ms = 1e3 * time_call(lambda fn=fn, lens=lens, w=w: fn(lens, w))
@@ -151,13 +151,13 @@ def micro(sizes: list[int], seeds: int, top: int, emit: Callable[..., None]) -> 
                         parts = verl_micro_batches(lens, cap, workloads=verl_workload(lens), retry=retry)
                         dt = time.perf_counter() - t
                         k = len(parts)
-                        lb = free_bound(np.sort(x), k, 1)
+                        lb = bound_sorted(np.sort(x), k, equal_size=False, min_size=1)
                         top_tok = max(lens[p].sum() for p in parts) / cap
                         rows.setdefault(name, []).append((k, top_tok, max(x[p].sum() for p in parts) / lb - 1, dt))
                     t = time.perf_counter()
                     plan = plan_micro_batches(lens, max_tokens=cap, cost=COST)
                     dt = time.perf_counter() - t
-                    lb = free_bound(np.sort(x), plan.num_micro_batches, 1)
+                    lb = bound_sorted(np.sort(x), plan.num_micro_batches, equal_size=False, min_size=1)
                     rows.setdefault("balancer", []).append(
                         (plan.num_micro_batches, plan.tokens.max() / cap, plan.objective / lb - 1, dt))
                 for name, vals in rows.items():

@@ -53,12 +53,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from balancer.partition import (  # noqa: E402
     PartitionWorker,
-    _partition_rows,
     balanced_partition,
     karmarkar_karp,
     localize,
     lower_bound,
 )
+from balancer.partition._balanced import partition_rows  # noqa: E402
 
 DISTS = ("uniform", "lognormal", "zipf", "padded")
 Method = Callable[[np.ndarray, int], list[list[int]]]
@@ -417,7 +417,7 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
 
     Times are medians over ``reps`` calls on seed 0, the two versions taking
     turns; "array" is the same partition without building Python lists
-    (``_partition_rows``, what the partition child can return).
+    (``partition_rows``, what the partition child can return).
     """
     print("\n## Before / after at scale (max/bound - 1: median | worst over seeds; ms per call)\n")
     print("| W x B | dist | before: quality | before ms | after: quality | after ms (lists) "
@@ -431,7 +431,7 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                 x, _ = make_workloads(dist, w * b, seed)
                 lb = lower_bound(x, w)
                 fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
-                       "array": lambda x=x, w=w: _partition_rows(x, w)}
+                       "array": lambda x=x, w=w: partition_rows(x, w)}
                 if before is not None:
                     fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
                 gaps["after"].append(max_load(x, balanced_partition(x, w)) / lb - 1)
@@ -465,7 +465,7 @@ def scaling_curves(before: Any, emit: Callable[[dict[str, Any]], None], plot: st
         for w, b in shapes:
             x, _ = make_workloads(dist, w * b, 0)
             fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
-                   "array": lambda x=x, w=w: _partition_rows(x, w)}
+                   "array": lambda x=x, w=w: partition_rows(x, w)}
             if before is not None:
                 fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
             fns["after"]()

@@ -41,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from balancer._layout import wire_layout  # noqa: E402
-from balancer._plan import sample_bytes  # noqa: E402
+from balancer._plan_layout import sample_bytes  # noqa: E402
 from balancer._protocol import lengths_matrix  # noqa: E402
 from balancer.batch import BaseBatch  # noqa: E402
 from balancer.shuffler import BatchShuffler  # noqa: E402

@@ -143,5 +143,5 @@ def test_record_compute_checks_its_input() -> None:
         with pytest.raises(ValueError, match=r"seconds=.*, expected a finite number > 0"):
             s.record_compute(h, bad)  # type: ignore[arg-type]
     s.record_compute(h, 0.5)
-    assert s._measured == (h.seq, 0.5)
+    assert s._calibration.latest() == (h.seq, 0.5)
     BatchShuffler(token_count).record_compute(h, 1.0)  # without calibrate: ignored

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import itertools
+import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import balancer.partition
 from balancer.partition import (
     PartitionStats,
     PartitionWorker,
@@ -322,6 +327,87 @@ def test_partition_worker_matches_in_process() -> None:
     finally:
         worker.close()
         worker.close()
+
+
+def _child_modules() -> functools.partial[Any]:
+    """A picklable call that lists the child's loaded torch/torchrec modules."""
+    return functools.partial(eval, "[m for m in __import__('sys').modules if m.split('.')[0] in "
+                                   "('torch', 'torchrec')]")
+
+
+def test_partition_worker_child_imports_no_torch() -> None:
+    """The child runs the partition and the shuffler's planning with numpy alone."""
+    from balancer._header import H_REAL, HEADER_LEN
+    from balancer._plan_layout import PlanLayout
+    from balancer._step import plan_step
+
+    w, b = 2, 3
+    rows = np.zeros((w, HEADER_LEN + b), np.int64)
+    rows[:, H_REAL] = b
+    rows[:, HEADER_LEN:] = np.array([[9.0, 1, 8], [2, 7, 3]]).view(np.int64)
+    worker = PartitionWorker()
+    try:
+        assert worker([9, 1, 8, 2, 7, 3], 2) == [[0, 3, 5], [1, 2, 4]]
+        step = worker.submit_call(plan_step, rows=rows, layout=PlanLayout(b, 0, (), ()), seq=0, rank=0,
+                                  comm="all2all", locality=False).wait_call()
+        assert step.stats.max_after == 16
+        assert worker.submit_call(_child_modules()).wait_call() == []
+    finally:
+        worker.close()
+
+
+def test_partition_package_has_no_import_cycle() -> None:
+    """No module of balancer/partition imports the package entry (its __init__),
+    the modules' imports among themselves form no cycle, and nothing outside
+    the package is imported but torch-free leaves (the worker child's chain)."""
+    root = pathlib.Path(balancer.partition.__file__).parent
+    allowed_outside = {"balancer._limits", "balancer._quantize"}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.glob("*.py")):
+        name = "balancer.partition" if path.stem == "__init__" else f"balancer.partition.{path.stem}"
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                if t.split(".")[0] in ("torch", "torchrec"):
+                    raise AssertionError(f"{name} imports {t}")
+                if t.startswith("balancer.partition._"):
+                    deps.add(t if t in {f"balancer.partition.{p.stem}" for p in root.glob("*.py")}
+                             else t.rsplit(".", 1)[0])
+                elif t == "balancer.partition":
+                    assert name == "balancer.partition", f"{name} imports the package entry"
+                elif t.startswith("balancer.") and t.rsplit(".", 1)[0] != "balancer.partition":
+                    assert t in allowed_outside or t.rsplit(".", 1)[0] in allowed_outside, (
+                        f"{name} imports {t}, outside the partition package")
+        graph[name] = deps
+    assert len(graph) > 10 and graph["balancer.partition"], "the package's modules were read"
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"import cycle: {' -> '.join(path + (node,))}"
+        if node not in done:
+            for dep in sorted(graph.get(node, ())):
+                visit(dep, path + (node,))
+            done.add(node)
+
+    for node in sorted(graph):
+        visit(node, ())
+
+
+def test_lower_bound_free_sizes() -> None:
+    x = np.array([9, 1, 8, 2, 7, 3])
+    assert lower_bound(x, 2) == 16  # equal counts: two of 9, 8, 7 share a part
+    assert lower_bound(x, 2, equal_size=False) == 15  # free sizes: the mean
+    assert lower_bound(x, 2, equal_size=False, min_size=3, max_size=3) == 16
+    assert lower_bound(np.arange(7), 3, equal_size=False) == 7  # N need not divide
+    with pytest.raises(ValueError, match="equal_size=False"):
+        lower_bound(x, 2, max_size=3)
+    with pytest.raises(ValueError, match="cannot give 3 parts min_size=3"):
+        lower_bound(x, 3, equal_size=False, min_size=3)
 
 
 # ------------------------------------------------------------ quality guard

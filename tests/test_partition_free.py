@@ -1,4 +1,4 @@
-"""Tests for balancer.partition.free_partition (balancer/_partition_free.py)."""
+"""Tests for balancer.partition.free_partition (balancer/partition/_free.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from balancer._partition_free import free_assign, free_bound
-from balancer.partition import free_partition
+from balancer.partition import free_partition, lower_bound
+from balancer.partition._free import free_assign
 
 
 def _heavy(dist: str, n: int, seed: int) -> np.ndarray:
@@ -58,7 +58,7 @@ def test_small_cases_against_brute_force() -> None:
         _check(parts, n, w, lo, hi)
         best = _brute(x, w, lo, hi)
         got = _max_load(x, parts)
-        assert free_bound(np.sort(x), w, lo, hi) <= best, "the bound is a bound"
+        assert lower_bound(x, w, equal_size=False, min_size=lo, max_size=hi) <= best, "the bound is a bound"
         assert got <= 1.05 * best
         optimal += got == best
         total += 1
@@ -91,10 +91,10 @@ def test_one_huge_sample_gets_a_rank_of_its_own() -> None:
 
 def test_max_size_binding_tightens_the_bound_and_is_met() -> None:
     x = np.array([10, 9, 5, 1, 1, 1])
-    assert free_bound(np.sort(x), 2) == 14  # two of 10, 9, 5 share a part
+    assert lower_bound(x, 2, equal_size=False) == 14  # two of 10, 9, 5 share a part
     assert _max_load(x, free_partition(x, 2)) == 14  # {10, 1, 1, 1}, {9, 5}
     # Three items each: two of the top three and one more item, >= 5 + 9 + 1.
-    assert free_bound(np.sort(x), 2, max_size=3) == 15
+    assert lower_bound(x, 2, equal_size=False, max_size=3) == 15
     parts = free_partition(x, 2, max_size=3)
     _check(parts, 6, 2, hi=3)
     assert _max_load(x, parts) == 15
@@ -104,7 +104,7 @@ def test_max_size_binding_tightens_the_bound_and_is_met() -> None:
         y = _heavy("lognormal", w * b, int(rng.integers(1 << 30)))
         parts = free_partition(y, w, max_size=b)  # max_size binds: exactly b each
         _check(parts, w * b, w, b, b)
-        assert _max_load(y, parts) >= free_bound(np.sort(y), w, 0, b)
+        assert _max_load(y, parts) >= lower_bound(y, w, equal_size=False, max_size=b)
 
 
 def test_min_size_fills_every_part_even_with_zeros() -> None:
@@ -123,7 +123,7 @@ def test_inputs_floats_tensors_and_determinism() -> None:
     f = x.astype(np.float64) / 3.0
     pf = free_partition(f, 7)
     _check(pf, 500, 7)
-    assert _max_load(f, pf) <= free_bound(np.sort(f), 7) * (1 + 1e-4)
+    assert _max_load(f, pf) <= lower_bound(f, 7, equal_size=False) * (1 + 1e-4)
     assert free_partition([], 3) == [[], [], []]
     assert free_partition([4, 1], 5) == [[0], [1], [], [], []]
 

@@ -160,7 +160,7 @@ def _train(
             pipe.close()
     if shuffler is not None:
         shuffler.close()
-    observations = sum(len(f._times) for f in shuffler._fits.values()) if shuffler is not None else 0
+    observations = sum(len(f._times) for f in shuffler._calibration._fits.values()) if shuffler is not None else 0
     return {"losses": losses, "params": _snapshot(model), "imbalance": imbalance, "calibrated": calibrated,
             "observations": observations}
 

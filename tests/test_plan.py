@@ -1,22 +1,15 @@
-"""Pure planning (balancer._plan), run for every rank in one process."""
+"""Pure planning (balancer._destinations, _plan, _plan_layout), run for every rank in one process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from balancer._destinations import destinations, partition, validate_partition
 from balancer._layout import wire_layout
-from balancer._partition_worker import PartitionWorker
-from balancer._plan import (
-    Gathered,
-    destinations,
-    partition,
-    plan_digest,
-    plan_rank,
-    sample_bytes,
-    validate_partition,
-)
-from balancer.partition import balanced_partition, localize, lower_bound
+from balancer._plan import Gathered, plan_digest, plan_rank
+from balancer._plan_layout import sample_bytes
+from balancer.partition import PartitionWorker, balanced_partition, localize, lower_bound
 from tests.reference import greedy
 from tests.test_layout import layout_batch
 
@@ -149,7 +142,7 @@ def test_plan_step_in_the_planner_process_equals_in_process() -> None:
     try:
         for rank in range(w):
             args = dict(rows=rows, layout=layout, seq=3, rank=rank, comm="all2all", locality=True)
-            child, local = worker.submit_step(**args).wait_step(), plan_step(**args)
+            child, local = worker.submit_call(plan_step, **args).wait_call(), plan_step(**args)
             assert child.digest == local.digest and child.dest.tolist() == local.dest.tolist()
             assert child.exchange.send_splits == local.exchange.send_splits
             assert np.array_equal(child.exchange.blob.i64, local.exchange.blob.i64)

@@ -1,11 +1,12 @@
-"""Phase 1's protocol, pure: capture and message round trips, verdicts, failure texts."""
+"""Phase 1's protocol and agreement, pure: capture and message round trips, verdicts, failure texts."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from balancer._protocol import (
+from balancer._agreement import Agreement, Report, decide, describe_failure, payload_words
+from balancer._header import (
     H_BATCH,
     H_CONFIG,
     H_KEYS,
@@ -19,15 +20,8 @@ from balancer._protocol import (
     H_STATUS,
     HEADER_LEN,
     MAGIC,
-    Agreement,
-    Report,
-    Status,
-    capture,
-    decide,
-    describe_failure,
-    message,
-    payload_words,
 )
+from balancer._protocol import Status, capture, message
 from balancer.batch import BaseBatch
 from tests.test_shuffler import make_batch, token_count
 
@@ -98,7 +92,7 @@ def test_failure_texts_name_field_values_and_ranks() -> None:
 
 
 def decide_with(h: np.ndarray, problem: str) -> object:
-    from balancer._protocol import Verdict
+    from balancer._agreement import Verdict
 
     return Verdict("error", problems=(problem,))
 

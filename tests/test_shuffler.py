@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer._partition_worker import PartitionWorker
 from balancer.batch import BaseBatch
+from balancer.partition import PartitionWorker
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from balancer.testing import WorkerError, run_workers, run_workers_outcomes
 from tests.reference import greedy, scale_free
@@ -592,7 +592,7 @@ def _dead_child_worker(rank: int, w: int) -> list[tuple[bool, int]]:
     s = BatchShuffler(token_count)  # child process
     ref = BatchShuffler(token_count, executor="thread")
     out = []
-    real_submit = PartitionWorker.submit_step
+    real_submit = PartitionWorker.submit_call
 
     def dying_submit(self: PartitionWorker, *args: Any, **kwargs: Any) -> Any:
         # The child dies while a partition is requested (e.g. the OOM killer).
@@ -602,11 +602,11 @@ def _dead_child_worker(rank: int, w: int) -> list[tuple[bool, int]]:
 
     for step in range(4):
         batch = make_batch(rank, 9, 9 - step, seed=20 + step)
-        PartitionWorker.submit_step = dying_submit if rank == 0 and step in (1, 2) else real_submit  # type: ignore[method-assign]
+        PartitionWorker.submit_call = dying_submit if rank == 0 and step in (1, 2) else real_submit  # type: ignore[method-assign]
         try:
             res = s.shuffle(batch)
         finally:
-            PartitionWorker.submit_step = real_submit  # type: ignore[method-assign]
+            PartitionWorker.submit_call = real_submit  # type: ignore[method-assign]
         assert_identical(res, ref.shuffle(batch))  # same partition as everywhere else
         out.append((s._worker is not None and s._worker.alive(), res.actual_batch_size))
     return out

@@ -20,16 +20,59 @@ permutation) and replayed backwards at the end, instead of moving item lists.
 
 :func:`kk_free` is the unconstrained variant (``equal_size=False``): a heap of
 states that start as single items. It is ``O(N)`` merges and only offered for
-drop-in compatibility.
+drop-in compatibility. :func:`karmarkar_karp` is the public entry to both.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import numpy as np
 
-__all__ = ["kk_equal", "kk_free"]
+from balancer.partition._refine import sort_order
+from balancer.partition._validate import as_workloads, check_num_parts
+
+__all__ = ["karmarkar_karp", "kk_equal", "kk_free"]
+
+
+def karmarkar_karp(workloads: Any, num_parts: int, equal_size: bool = True) -> list[list[int]]:
+    """Largest differencing method (Karmarkar-Karp) into ``num_parts`` parts.
+
+    Drop-in for the function of the same name in NVIDIA recsys-examples and
+    verl: same arguments, same result type, the same partitions up to ties.
+    ``equal_size=True`` (rows of ``W`` sorted items as initial states) gives
+    every part exactly ``N / W`` items; ``equal_size=False`` is plain KK
+    (``O(N)`` heap merges, compatibility only). :func:`balanced_partition` is
+    better on every benchmark input; see ``docs/benchmarks_partition.md``.
+
+    Args:
+        workloads: [N] non-negative workloads (list, ndarray or CPU tensor).
+        num_parts: W.
+        equal_size: require exactly ``N / W`` items per part.
+
+    Returns:
+        ``W`` lists of sample indices (each ascending).
+
+    Raises:
+        ValueError: see :func:`balanced_partition` (N must be divisible by
+            ``num_parts`` only when ``equal_size``).
+    """
+    check_num_parts(num_parts)
+    x = as_workloads(workloads, num_parts if equal_size else 1)
+    order = sort_order(x)
+    v = x[order]
+    if not equal_size:
+        free = kk_free(v, num_parts)
+        return [np.sort(order[free == j]).tolist() for j in range(num_parts)]
+    part = kk_equal(v, num_parts)
+    assert part is not None, "kk_equal only gives up when asked to"
+    return _to_lists(order, np.argsort(part, kind="stable").reshape(num_parts, -1))
+
+
+def _to_lists(order: np.ndarray, rows: np.ndarray) -> list[list[int]]:
+    out: list[list[int]] = np.sort(order[rows], axis=1).tolist()
+    return out
 
 
 def kk_equal(vals: np.ndarray, num_parts: int, give_up: bool = False) -> np.ndarray | None:

@@ -26,11 +26,11 @@ import time
 
 import numpy as np
 
-from balancer._partition_bound import bound_sorted, prefix_sums
-from balancer._partition_fill import fill
-from balancer._partition_kk import kk_equal
-from balancer._partition_lpt import lpt
-from balancer._partition_refine import polish, polish_pairs, sort_values, swap_rounds
+from balancer.partition._bound import bound_sorted, prefix_sums
+from balancer.partition._fill import fill
+from balancer.partition._kk import kk_equal
+from balancer.partition._lpt import lpt
+from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
 
 __all__ = ["Solved", "solve"]
 
@@ -80,7 +80,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     b = n // w
     order, v = sort_values(x)
     prefix = prefix_sums(v)
-    bound = bound_sorted(v, w, prefix)
+    bound = bound_sorted(v, w, prefix=prefix)
     target = bound * (1 + rtol) if rtol > 0 else bound
     if v.dtype.kind == "i":
         target = int(target)

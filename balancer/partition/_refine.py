@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from balancer._limits import PACKED_KEY_LIMIT
+
 __all__ = ["order_floats", "polish", "polish_pairs", "sort_order", "sort_values", "swap_rounds"]
 
 _PARTNERS = 8
@@ -41,7 +43,7 @@ def sort_order(x: np.ndarray) -> np.ndarray:
 def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(order, x[order])``: ascending, ties by index, the same on every platform.
 
-    Non-negative int64 below ``2**62 / 2**ceil(log2 N)`` (every workload the
+    Non-negative int64 below ``PACKED_KEY_LIMIT / 2**ceil(log2 N)`` (every workload the
     benchmarks see) is sorted as unique keys ``x << bits | index`` with a plain
     ``np.sort`` -- any algorithm, SIMD or not, gives the same result -- and
     both outputs are read back from the keys with a shift and a mask: ~4x
@@ -50,7 +52,7 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     n = x.size
     bits = max(1, (n - 1).bit_length())
-    if x.dtype.kind == "i" and n and int(x.min()) >= 0 and int(x.max()) < 1 << (62 - bits):
+    if x.dtype.kind == "i" and n and int(x.min()) >= 0 and int(x.max()) < PACKED_KEY_LIMIT >> bits:
         keys = (x << bits) | np.arange(n, dtype=np.int64)
         keys.sort()
         return keys & ((1 << bits) - 1), keys >> bits
@@ -183,7 +185,7 @@ def _search_rows(keys: np.ndarray, queries: np.ndarray, span: int | None = None)
         if span is None:
             lo = min(int(keys.min()), int(queries.min()))
             span = max(int(keys.max()), int(queries.max())) - lo + 1
-        if span < (1 << 62) // p:
+        if span < PACKED_KEY_LIMIT // p:
             shift = (np.arange(p, dtype=np.int64) * span - lo)[:, None]
             flat = np.searchsorted((keys + shift).ravel(), (queries + shift).ravel())
             return flat.reshape(p, nq) - (np.arange(p, dtype=np.int64) * b)[:, None]

@@ -13,19 +13,18 @@ bounds and the optional capacity on a second quantity:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from balancer._partition_free import _State
+from balancer.partition._free_state import FreeState
 
 __all__ = ["rounds", "steps"]
 
 _PARTNERS = 8  # steps: swap partners searched per step when W is large
 
 
-def rounds(st: _State, target: Any, lo: int, hi: int, cap: Any, max_rounds: int) -> None:
+def rounds(st: FreeState, target: Any, lo: int, hi: int, cap: Any, max_rounds: int) -> None:
     """Parallel rounds: every part above ``target`` meets one light part at once.
 
     The ``m <= W / 2`` parts above target, heaviest first, are paired with
@@ -92,7 +91,7 @@ def rounds(st: _State, target: Any, lo: int, hi: int, cap: Any, max_rounds: int)
         st.shift_many(cand_b[swaps], ls[swaps], hs[swaps])
 
 
-def steps(st: _State, target: Any, lo: int, hi: int, cap: Any, max_steps: int) -> None:
+def steps(st: FreeState, target: Any, lo: int, hi: int, cap: Any, max_steps: int) -> None:
     """Moves and swaps out of the heaviest part while they lower the pair's maximum.
 
     A move of item ``a`` from the heaviest part ``p`` to ``q`` (or a swap

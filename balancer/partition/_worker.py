@@ -8,25 +8,30 @@ to get the GIL back -- once per such call, so a 2 ms partition takes 40+ ms
 instead stalls the main thread for its whole duration.
 
 A :class:`PartitionWorker` owns one child interpreter (``python -c``, started
-once, imports only numpy and ``balancer._partition_*``: no torch, ~0.2 s).
+once, imports only numpy and ``balancer.partition``: no torch, ~0.2 s).
 A call writes the raw workloads to the child's stdin and blocks on its stdout:
 the calling thread sleeps in ``read`` without the GIL, the main thread runs
 undisturbed, and the calling thread needs the GIL once, to decode the answer.
 Validation happens in the child; its ``ValueError`` is re-raised here.
 
-The shuffler asks for more than a partition: a *step* request (dtype code
-2) carries a pickled :func:`balancer._step.plan_step` call -- the gathered
-phase-1 messages, the layout, the rank -- and the reply is the pickled
+The shuffler asks for more than a partition: a *call* request (dtype code 2)
+carries a pickled function and its keyword arguments, and the reply is the
+pickled result. The shuffler sends :func:`balancer._step.plan_step` with the
+gathered phase-1 messages, the layout and the rank, and gets back the
 :class:`balancer._step.Step`: partition, plan, phase 2 to the byte and the
-statistics, all computed without the training process's GIL.
+statistics, all computed without the training process's GIL. The function
+travels by reference (module and name), so this module imports nothing above
+the partition package; the child imports the function's module on first use,
+which must therefore import no torch either.
 
 Protocol (little-endian): request ``<qqqq`` = (n, num_parts, dtype code,
 flags) then ``n`` workloads [, ``n`` int64 homes, ``n`` float64 sizes] (flag
 1: homes and sizes follow; flag 2: partition :func:`balancer._quantize.quantize`
 of the workloads, the shuffler's scale-free integers, while the bound stays in
-workload units), or for code 2, ``n`` bytes of pickled keyword arguments;
-reply ``<qqqd`` = (status, length, compute nanoseconds, lower bound) then
-either ``n`` int64 (rows, part-major), ``n`` bytes of a pickled ``Step``, or
+workload units), or for code 2, ``n`` bytes of a pickled ``(function,
+keyword arguments)``; reply ``<qqqd`` = (status, length, compute nanoseconds,
+lower bound) then either ``n`` int64 (rows, part-major), ``n`` bytes of the
+pickled result, or
 a UTF-8 error message (status 1: bad input, re-raised as ``ValueError``;
 status 2: anything else, re-raised as ``RuntimeError``). The child also
 computes ``lower_bound`` (statistics only), so the caller's thread need not.
@@ -44,21 +49,27 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PartitionHandle", "PartitionWorker", "solve"]
+from balancer.partition._balanced import solve_rows
+
+__all__ = ["PartitionHandle", "PartitionWorker"]
 
 _REQ = struct.Struct("<qqqq")
 _REP = struct.Struct("<qqqd")
 _DTYPES = {0: np.dtype("<i8"), 1: np.dtype("<f8")}
-_STEP = 2  # dtype code of a plan_step request
+_CALL = 2  # dtype code of a function-call request
+# The child imports balancer.partition (numpy only) but not balancer/__init__,
+# which imports torch: the package is stubbed with its path, so its submodules
+# import as usual without running its __init__.
 _BOOT = (
     "import sys, types\n"
     "pkg = types.ModuleType('balancer'); pkg.__path__ = [sys.argv[1]]\n"
     "sys.modules['balancer'] = pkg  # skip balancer/__init__ (torch): numpy only\n"
-    "from balancer._partition_worker import _serve\n"
+    "from balancer.partition._worker import _serve\n"
     "_serve(0, 1)\n"
 )
 
@@ -80,31 +91,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def solve(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
-          sizes: np.ndarray | None = None, quantized: bool = False) -> tuple[np.ndarray, float, float]:
-    """``balanced_partition`` (+ ``localize`` with ``home``) as ``[num_parts, B]``
-    int64 rows, its compute seconds, and ``lower_bound`` of ``workloads``.
-
-    With ``quantized`` the partition runs on :func:`balancer._quantize.quantize`
-    of the workloads. The child process and the shuffler's in-process fallback
-    both call this, so they return the same rows.
-    """
-    from balancer._quantize import quantize
-    from balancer.partition import _localized_rows, lower_bound
-
-    t0 = time.perf_counter()
-    x = quantize(workloads) if quantized else workloads
-    rows = np.asarray(_localized_rows(x, num_parts, home, sizes), dtype="<i8")
-    seconds = time.perf_counter() - t0
-    if not quantized:
-        return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))
-    # The bound is homogeneous; computing it on x / max keeps any scale (even
-    # costs whose sum exceeds lower_bound's integer range) in range.
-    top = float(np.max(workloads, initial=0.0))
-    bound = float(lower_bound(np.asarray(workloads, np.float64) / top, num_parts)) * top if top > 0 else 0.0
-    return rows.reshape(num_parts, -1), seconds, bound
-
-
 def _serve(fd_in: int, fd_out: int) -> None:
     """Child loop: answer requests until stdin closes."""
     while True:
@@ -113,8 +99,8 @@ def _serve(fd_in: int, fd_out: int) -> None:
         except EOFError:
             return
         n, w, code, flags = _REQ.unpack(head)
-        if code == _STEP:
-            _serve_step(_read_exact(fd_in, n), fd_out)
+        if code == _CALL:
+            _serve_call(_read_exact(fd_in, n), fd_out)
             continue
         x = np.frombuffer(_read_exact(fd_in, 8 * n), _DTYPES[code])
         home = sizes = None
@@ -123,20 +109,19 @@ def _serve(fd_in: int, fd_out: int) -> None:
             sizes = np.frombuffer(_read_exact(fd_in, 8 * n), np.float64)
         t0 = time.perf_counter_ns()
         try:
-            rows, seconds, bound = solve(x, w, home, sizes, bool(flags & 2))
+            rows, seconds, bound = solve_rows(x, w, home, sizes, bool(flags & 2))
             _write_all(fd_out, _REP.pack(0, rows.nbytes, int(seconds * 1e9), bound) + rows.tobytes())
         except (ValueError, TypeError) as e:
             msg = str(e).encode()
             _write_all(fd_out, _REP.pack(1, len(msg), time.perf_counter_ns() - t0, 0.0) + msg)
 
 
-def _serve_step(payload: bytes, fd_out: int) -> None:
-    from balancer._step import plan_step
-
+def _serve_call(payload: bytes, fd_out: int) -> None:
     t0 = time.perf_counter_ns()
     status = 0
     try:
-        body = pickle.dumps(plan_step(**pickle.loads(payload)), protocol=pickle.HIGHEST_PROTOCOL)
+        fn, kwargs = pickle.loads(payload)
+        body = pickle.dumps(fn(**kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (ValueError, TypeError) as e:
         status, body = 1, str(e).encode()
     except Exception as e:  # noqa: BLE001 - reported to the parent; the child keeps serving
@@ -180,8 +165,10 @@ class PartitionHandle:
             raise ValueError(body.decode())
         return np.frombuffer(body, "<i8").reshape(self.num_parts, self.n // self.num_parts)
 
-    def wait_step(self) -> Any:
-        """The :class:`balancer._step.Step` of a :meth:`PartitionWorker.submit_step` request."""
+    def wait_call(self) -> Any:
+        """The result of a :meth:`PartitionWorker.submit_call` request; its
+        ``ValueError``/``TypeError`` re-raised as ``ValueError``, anything else
+        as ``RuntimeError``."""
         self._worker._collect(self)
         assert self._reply is not None, "collect fills the reply"
         status, body = self._reply
@@ -210,7 +197,8 @@ class PartitionWorker:
     """
 
     def __init__(self) -> None:
-        pkg_dir = os.path.dirname(os.path.abspath(__file__))
+        # the directory of the balancer package, which the child stubs
+        pkg_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, pkg_dir],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
@@ -231,7 +219,8 @@ class PartitionWorker:
                sizes: Any = None, *, quantized: bool = False) -> PartitionHandle:
         """Send a request and return at once; :meth:`PartitionHandle.wait` collects it.
 
-        ``quantized``: partition the scale-free integers of :func:`solve`.
+        ``quantized``: partition the scale-free integers of
+        :func:`balancer._quantize.quantize` (as :func:`solve_rows`).
         """
         arr = np.asarray(workloads)
         if arr.dtype.kind in "biu":
@@ -254,13 +243,16 @@ class PartitionWorker:
             self._pending.append(handle)
         return handle
 
-    def submit_step(self, **kwargs: Any) -> PartitionHandle:
-        """Ask for :func:`balancer._step.plan_step` ``(**kwargs)``; collect with
-        :meth:`PartitionHandle.wait_step`."""
-        payload = pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+    def submit_call(self, fn: Callable[..., Any], /, **kwargs: Any) -> PartitionHandle:
+        """Ask the child for ``fn(**kwargs)``; collect with :meth:`PartitionHandle.wait_call`.
+
+        ``fn`` is pickled by reference: a module-level function of a module
+        that imports no torch (e.g. :func:`balancer._step.plan_step`).
+        """
+        payload = pickle.dumps((fn, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         handle = PartitionHandle(self, 1, 0)
         with self._lock:
-            _write_all(self._fd_out, _REQ.pack(len(payload), 0, _STEP, 0) + payload)
+            _write_all(self._fd_out, _REQ.pack(len(payload), 0, _CALL, 0) + payload)
             self._pending.append(handle)
         return handle
 

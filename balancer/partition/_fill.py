@@ -1,6 +1,6 @@
 """Projected-load greedy with a cardinality cap: the start of ``balanced_partition`` at scale.
 
-Capped LPT (largest item to the lightest part with room, ``_partition_lpt``)
+Capped LPT (largest item to the lightest part with room, ``_lpt``)
 ignores how many slots a part still has to fill. A part that waited while its
 huge first item was balanced by the others ends with more empty slots than the
 rest, and the small items that fill them push it over the level (4096x64
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer._partition_refine import order_floats
+from balancer.partition._refine import order_floats
 
 __all__ = ["fill"]
 

@@ -18,7 +18,7 @@ So tokens move between two parts at nearly constant compute by a
   token window and distinct items (at most ``_PAIR_CANDIDATES`` per pair).
 
 Two phases on a compute-balanced partition (``rows`` [W, B] of sorted
-positions, as ``_partition_solve`` leaves it):
+positions, as ``_solve`` leaves it):
 
 1. repair: while a part has more than ``cap`` tokens, move tokens out of the
    fullest one to one of the parts with most room. The compute of both parts
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer._partition_bound import bound_sorted
-from balancer._partition_solve import Solved, solve
+from balancer.partition._bound import bound_sorted
+from balancer.partition._solve import Solved, solve
 
 __all__ = ["apply_token_cap", "cap_tokens", "check_tokens_met", "polish_capped", "token_cap"]
 

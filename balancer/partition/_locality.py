@@ -1,4 +1,4 @@
-"""Locality for a balanced partition: keep samples on the rank they live on.
+"""Locality for a balanced partition: keep samples on the rank they live on (:func:`localize`).
 
 Works on ``rows`` [W, B] of sample indices. Never changes how many items a
 part has and never lets any part exceed the input's max load ``M``.
@@ -20,11 +20,15 @@ part has and never lets any part exceed the input's max load ``M``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
-from balancer._partition_refine import polish, polish_pairs, sort_order, swap_rounds
+from balancer.partition._refine import polish, polish_pairs, sort_order, swap_rounds
+from balancer.partition._validate import as_workloads, check_home
 
-__all__ = ["assign_parts", "localize_rows", "rebalance_from_home", "stay_bytes", "tie_swaps"]
+__all__ = ["assign_parts", "localize", "localize_rows", "rebalance_from_home", "stay_bytes", "tie_swaps"]
 
 # Re-balancing from the home placement costs a full refinement; beyond this many
 # parts it rarely reaches the balanced max in budget and is skipped.
@@ -160,7 +164,7 @@ def rebalance_from_home(x: np.ndarray, home: np.ndarray, num_parts: int,
 
 def localize_rows(x: np.ndarray, rows: np.ndarray, home: np.ndarray,
                   sizes: np.ndarray) -> np.ndarray:
-    """See :func:`balancer.partition.localize`; ``rows`` [W, B] indices in, out."""
+    """See :func:`localize`; ``rows`` [W, B] indices in, out."""
     w, b = rows.shape
     if w <= 1 or b == 0:
         return rows
@@ -174,3 +178,47 @@ def localize_rows(x: np.ndarray, rows: np.ndarray, home: np.ndarray,
             if stay_bytes(alt, home, sizes) > stay_bytes(best, home, sizes):
                 best = alt
     return best
+
+
+def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
+             sizes: Any = None) -> list[list[int]]:
+    """Re-order (and lightly re-shape) parts so that samples stay on their home rank.
+
+    ``result[r]`` is what rank ``r`` receives. Two steps, neither of which
+    raises the max part load or changes any part's item count:
+
+    1. assign parts to ranks maximising the ``sizes`` that stay home (a
+       ``W x W`` assignment: greedy by largest overlap, then pairwise
+       exchanges while they help);
+    2. trade items between ranks so more stay home: items of equal workload
+       are interchangeable, and a re-balance started from the home placement
+       itself (swap refinement to the same max load) often keeps most samples
+       where they are; the better of the two is returned.
+
+    Example: rank 0 holds samples 0, 1 and rank 1 holds 2, 3 (``home =
+    [0, 0, 1, 1]``); parts ``[[2, 3], [0, 1]]`` come back as ``[[0, 1], [2, 3]]``
+    and nothing moves.
+
+    Args:
+        parts: ``W`` sequences of exactly ``B`` indices, a permutation of
+            ``range(N)``.
+        workloads: [N] workloads (as for :func:`balanced_partition`).
+        home: [N] int rank in ``[0, W)`` that sample ``i`` lives on.
+        sizes: optional [N] non-negative bytes per sample (default 1 each).
+
+    Returns:
+        ``W`` lists of sample indices (each ascending), ``result[r]`` for rank ``r``.
+
+    Raises:
+        ValueError: malformed ``parts``, ``home`` or ``sizes``.
+    """
+    w = len(parts)
+    x = as_workloads(workloads, max(w, 1))
+    n = x.size
+    rows = np.asarray(parts, dtype=np.int64).reshape(w, -1) if w else np.zeros((0, 0), np.int64)
+    if rows.size != n or not np.array_equal(np.sort(rows.ravel()), np.arange(n)):
+        raise ValueError(f"parts must be {w} lists of {n // max(w, 1)} indices forming a "
+                         f"permutation of range({n})")
+    h, s = check_home(home, sizes, n, w)
+    out: list[list[int]] = localize_rows(x, rows, h, s).tolist()
+    return out

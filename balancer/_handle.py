@@ -1,0 +1,204 @@
+"""Shuffle handles and their bookkeeping, shared by both shufflers.
+
+:class:`ShuffleHandle` is what ``start_shuffle_async`` returns (public as
+``balancer.ShuffleHandle``); :class:`ShufflerBase` numbers the handles, checks
+that each finishes exactly once and in start order (checks that depend only on
+the calls every rank makes, so all ranks agree), and owns the one background
+thread on which every shuffle's background work runs in start order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import torch.distributed as dist
+
+from balancer._exchange import Exchange, Traffic
+from balancer._gather import HostTensors
+from balancer._layout import WireLayout
+from balancer._protocol import LocalMeta, message
+from balancer._stats import ShuffleStats, build_stats, format_stats
+from balancer.batch import BaseBatch
+from balancer.tokens import TokenBatch
+
+logger = logging.getLogger("balancer.shuffler")  # the shufflers' log, as before the split
+
+__all__ = ["BatchT", "HandleState", "Outcome", "ShuffleHandle", "ShufflerBase"]
+
+BatchT = TypeVar("BatchT", BaseBatch, TokenBatch)
+
+
+@dataclasses.dataclass
+class HandleState:
+    finished: bool = False
+    stats: ShuffleStats | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The background work's result: this rank's phase 2, ready to run."""
+
+    exchange: Exchange | None  # None: nothing moves anywhere, phase 2 is skipped
+    blob: HostTensors | None  # the exchange's index arrays (pinned when CUDA is present)
+    layout: WireLayout | None
+    stats: ShuffleStats
+    dest: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShuffleHandle:
+    """A started shuffle; pass it to ``finish_shuffle`` exactly once, in start order.
+
+    Attributes:
+        seq: sequence number on its shuffler (0, 1, ...).
+        world_size: W at start.
+        rank: this rank at start.
+        phase1_s: wall seconds of ``start_shuffle_async``.
+    """
+
+    seq: int
+    world_size: int
+    rank: int
+    phase1_s: float
+    _owner: object = dataclasses.field(repr=False)
+    _job: Future[Outcome] | None = dataclasses.field(repr=False)
+    _meta: LocalMeta | None = dataclasses.field(repr=False)
+    _state: HandleState = dataclasses.field(default_factory=HandleState, repr=False)
+
+    @property
+    def stats(self) -> ShuffleStats:
+        """Statistics of the finished shuffle.
+
+        Raises:
+            RuntimeError: before ``finish_shuffle`` returned for this handle.
+        """
+        if self._state.stats is None:
+            raise RuntimeError(f"shuffle handle #{self.seq} has no stats: finish_shuffle it first")
+        return self._state.stats
+
+    def partition_done(self) -> bool:
+        """Whether the background work (exchange, partition, plan) finished; never blocks."""
+        return self._job is None or self._job.done()
+
+
+class ShufflerBase:
+    """Handle bookkeeping shared by both shufflers: sequence numbers, start-order
+    finishing, one finish per handle, the background thread."""
+
+    def __init__(self, workload_fn: Callable[[Any], Any] | None, log_interval: int = 0) -> None:
+        self._workload_fn = workload_fn
+        self._log_interval = log_interval
+        self._token = object()
+        self._next_seq = 0
+        # Unfinished handles by sequence number; a dropped handle drops out.
+        self._pending: weakref.WeakValueDictionary[int, ShuffleHandle] = weakref.WeakValueDictionary()
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def shuffle(self, batch: BatchT, pg: dist.ProcessGroup | None = None) -> BatchT:
+        """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
+        return self.finish_shuffle(batch, self.start_shuffle_async(batch, pg), pg)
+
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+        raise NotImplementedError
+
+    def finish_shuffle(self, batch: Any, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the background thread (queued work is cancelled); later calls
+        raise ``RuntimeError``. Idempotent."""
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __enter__(self) -> ShufflerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"{type(self).__name__} is closed after an aborted shuffle: {self._broken}")
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            # One worker: background jobs run, and issue their collectives, in
+            # start order on every rank. The finalizer stops the thread when
+            # the shuffler is garbage collected unclosed.
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="balancer-shuffle")
+            self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+        return self._executor
+
+    def _register(self, handle: ShuffleHandle) -> ShuffleHandle:
+        self._pending[handle.seq] = handle
+        self._next_seq += 1
+        return handle
+
+    def _claim(self, handle: ShuffleHandle, mark: bool = True) -> None:
+        """Check that ``handle`` may finish now and (with ``mark``) mark it finished.
+
+        Every check depends only on calls every rank makes alike (never on
+        whether the background thread got to a handle), so all ranks agree.
+        """
+        self._check_open()
+        if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token:
+            raise RuntimeError(f"{handle!r} was not started by this {type(self).__name__}")
+        if handle._state.finished:
+            raise RuntimeError(f"shuffle handle #{handle.seq} was already finished")
+        earlier = sorted(s for s in list(self._pending.keys()) if s < handle.seq)
+        if earlier:
+            raise RuntimeError(
+                f"finish_shuffle got handle #{handle.seq} while handle(s) #{earlier} started "
+                "earlier are unfinished; finish handles in the order they were started"
+            )
+        if mark:
+            handle._state.finished = True
+            self._pending.pop(handle.seq, None)
+
+    def _local_job(self, meta: LocalMeta, comm: str) -> Outcome:
+        """Background work of a shuffle that communicates nothing (W == 1, identity)."""
+        _, data = message(meta, meta.agreement(), (-1, 0))
+        if meta.status or data is None:
+            raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
+                             f"rank(s) [0]: {meta.error}") from meta.cause
+        assert meta.host is not None, "a valid capture has data"
+        b = meta.batch_size
+        workloads = data.workloads
+        stats = build_stats(seq=meta.seq, rank=meta.rank, comm=comm, workloads=workloads,
+                            dest=np.zeros(b, np.int64), real=np.array([meta.real]),
+                            lower_bound=max(float(workloads.sum()), float(workloads.max(initial=0.0))),
+                            partition_s=0.0, traffic=Traffic(), background_s=0.0)
+        return Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64))
+
+    def _wait(self, handle: ShuffleHandle, limit: float | None) -> Outcome:
+        assert handle._job is not None, "only handles with background work are waited for"
+        try:
+            return handle._job.result(timeout=limit)
+        except CancelledError:
+            raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
+        except concurrent.futures.TimeoutError:
+            err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
+                               f"within {limit:.0f} s (the partition child or a collective is stuck)")
+            self._broken = err
+            raise err from None
+
+    def _done(self, handle: ShuffleHandle, stats: ShuffleStats) -> None:
+        handle._state.stats = stats
+        if self._log_interval and handle.rank == 0 and (handle.seq + 1) % self._log_interval == 0:
+            logger.info("%s", format_stats(stats))

@@ -1,0 +1,157 @@
+"""The library's partitioner, :func:`balanced_partition`: ``W`` parts of exactly ``B`` items.
+
+Validation, the pipeline of :func:`balancer.partition._solve.solve`, the
+optional token cap (:mod:`balancer.partition._tokens`) and locality
+(:mod:`balancer.partition._locality`), as lists (:func:`balanced_partition`)
+or as an int64 array ``[W, B]`` (:func:`localized_rows`, :func:`partition_rows`:
+building ``W`` Python lists costs more than the partition at scale), and
+:func:`solve_rows`, the shuffler's call: rows, compute seconds and the bound.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from balancer._quantize import quantize
+from balancer.partition._bound import lower_bound
+from balancer.partition._locality import assign_parts, localize_rows
+from balancer.partition._solve import solve
+from balancer.partition._tokens import apply_token_cap, check_tokens_met, token_cap
+from balancer.partition._validate import as_workloads, check_home
+
+__all__ = ["balanced_partition", "localized_rows", "partition_rows", "solve_rows"]
+
+
+def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *,
+                       rtol: float = 1e-5, deadline_ms: float | None = None, tokens: Any = None,
+                       max_tokens: float | None = None) -> list[list[int]]:
+    """The library's partitioner: a cardinality-aware greedy start, then swap refinement.
+
+    Example: workloads ``[9, 1, 8, 2, 7, 3]`` into 2 parts of 3 gives
+    ``[[0, 3, 5], [1, 2, 4]]`` with loads 14 and 16 (contiguous chunks: 18
+    and 12). 16 is optimal: one part holds two of the three largest (9, 8, 7),
+    so at least ``8 + 7`` plus the smallest item ``1`` -- the pigeonhole term
+    of :func:`lower_bound`.
+
+    The work done is a deterministic function of ``(workloads, num_parts)``:
+    refinement stops at ``rtol`` or when a budget of swap steps derived from
+    ``N`` and ``W`` is spent, so every rank computes the same partition.
+
+    Args:
+        workloads: [N] non-negative workloads (int or float; list, ndarray or
+            CPU tensor), ``N = num_parts * B``.
+        num_parts: W, the number of parts (ranks).
+        home: optional [N] rank each sample lives on; when given the result is
+            passed through :func:`localize` (part ``r`` goes to rank ``r``).
+        sizes: optional [N] bytes per sample for :func:`localize`.
+        rtol: stop refining once the max load is within ``rtol`` of
+            :func:`lower_bound` (0 refines until no swap helps or the budget
+            is spent).
+        deadline_ms: optional safety net: stop refining after this many
+            milliseconds and return the best partition so far (the greedy
+            start always completes, and no swap raises the max). Ranks running
+            at different speeds can then stop at different swaps and return
+            *different* partitions, which breaks the shuffler's assumption that
+            every rank computes the same one; leave it ``None`` there.
+        tokens: optional [N] second per-sample quantity with a hard per-part
+            cap, e.g. tokens (activation memory) while ``workloads`` is
+            compute. Every part ends with at most ``max_tokens`` of it; the
+            max compute load stays within ``rtol`` of :func:`lower_bound`
+            whenever the cap leaves room (see ``docs/benchmarks_partition.md``).
+        max_tokens: the cap on ``tokens`` per part; default
+            ``1.01 * sum(tokens) / num_parts``.
+
+    Returns:
+        ``W`` lists of exactly ``B`` sample indices each (each ascending);
+        every index appears once.
+
+    Raises:
+        TypeError: ``num_parts`` is not an int.
+        ValueError: ``num_parts < 1``; ``workloads`` not 1-D, its length not
+            divisible by ``num_parts``, negative, NaN/inf, non-numeric, or
+            summing to 2**61 or more; ``rtol < 0``; ``deadline_ms <= 0``;
+            ``tokens`` malformed (as ``workloads``); ``max_tokens`` below what
+            any partition can meet (the message names the cap, the proven
+            minimum and the best cap found).
+    """
+    out: list[list[int]] = localized_rows(workloads, num_parts, home, sizes, rtol=rtol, deadline_ms=deadline_ms,
+                                          tokens=tokens, max_tokens=max_tokens).tolist()
+    return out
+
+
+def localized_rows(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *, rtol: float = 1e-5,
+                   deadline_ms: float | None = None, tokens: Any = None,
+                    max_tokens: float | None = None) -> np.ndarray:
+    """:func:`balanced_partition` as an int64 array ``[W, B]`` (the planner keeps arrays)."""
+    rows = partition_rows(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
+                          tokens=tokens, max_tokens=max_tokens)
+    if home is not None:
+        x = as_workloads(workloads, num_parts)
+        h, s = check_home(home, sizes, x.size, num_parts)
+        local = localize_rows(x, rows, h, s)
+        if tokens is not None:
+            # localize trades items by compute alone; keep its result only if
+            # the token cap still holds, else just assign whole parts to ranks.
+            t = as_workloads(tokens, num_parts, "tokens")
+            if t[local].sum(axis=1).max() > token_cap(t, num_parts, max_tokens):
+                local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
+        rows = local
+    return rows
+
+
+def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
+                   deadline_ms: float | None = None, tokens: Any = None,
+                   max_tokens: float | None = None) -> np.ndarray:
+    """:func:`balanced_partition` without ``home``, as an int64 array [W, B] (rows ascending).
+
+    Building ``W`` Python lists costs ~10 ms at N = 262,144 (more than the
+    partition itself); callers that want an array (the partition child) can
+    skip it here.
+    """
+    x = as_workloads(workloads, num_parts)
+    if not rtol >= 0:
+        raise ValueError(f"rtol={rtol}, expected >= 0")
+    if deadline_ms is not None and not deadline_ms > 0:
+        raise ValueError(f"deadline_ms={deadline_ms}, expected > 0 or None")
+    start = time.perf_counter()
+    n, w = x.size, num_parts
+    b = n // w
+    t = None if tokens is None else as_workloads(tokens, num_parts, "tokens")
+    if t is not None and t.size != n:
+        raise ValueError(f"tokens has {t.size} entries, expected {n} (one per workload)")
+    if b <= 1 or w == 1:
+        rows = np.arange(n, dtype=np.int64).reshape(w, b)
+        if t is not None:
+            check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
+        return rows
+    stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
+    sol = solve(x, w, rtol, stop_at)
+    if t is not None:
+        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens)
+    rows = np.sort(sol.order[sol.rows], axis=1)
+    return rows
+
+
+def solve_rows(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
+               sizes: np.ndarray | None = None, quantized: bool = False) -> tuple[np.ndarray, float, float]:
+    """``balanced_partition`` (+ ``localize`` with ``home``) as ``[num_parts, B]``
+    int64 rows, its compute seconds, and ``lower_bound`` of ``workloads``.
+
+    With ``quantized`` the partition runs on :func:`balancer._quantize.quantize`
+    of the workloads. The partition child process and the shuffler's
+    in-process fallback both call this, so they return the same rows.
+    """
+    t0 = time.perf_counter()
+    x = quantize(workloads) if quantized else workloads
+    rows = np.asarray(localized_rows(x, num_parts, home, sizes), dtype="<i8")
+    seconds = time.perf_counter() - t0
+    if not quantized:
+        return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))
+    # The bound is homogeneous; computing it on x / max keeps any scale (even
+    # costs whose sum exceeds lower_bound's integer range) in range.
+    top = float(np.max(workloads, initial=0.0))
+    bound = float(lower_bound(np.asarray(workloads, np.float64) / top, num_parts)) * top if top > 0 else 0.0
+    return rows.reshape(num_parts, -1), seconds, bound

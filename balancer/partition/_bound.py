@@ -1,0 +1,184 @@
+"""The lower bound on the max part load: one function for equal and free part sizes.
+
+:func:`bound_sorted` works on workloads sorted ascending and their prefix sums
+``S`` (``S[j]`` = sum of the ``j`` smallest). Every part holds at least ``a``
+items: ``a = B = N / W`` for equal sizes (:func:`balanced_partition`), and
+``a = max(min_size, N - (W - 1) max_size)`` for free sizes
+(:func:`free_partition`, ``plan_dispatch``, micro-batches). The bound is the
+maximum of:
+
+* mean and max item: the parts share the total; some part holds the largest;
+* pigeonhole: of the ``k`` largest some part holds ``c = ceil(k / W)``, at
+  least the ``c`` smallest of them, plus ``a - c`` other items, at least
+  ``S(a - c)``;
+* grouped (equal sizes only): the ``k < W`` largest lie in ``m`` parts,
+  ``ceil(k / B) <= m <= k``, which hold at least ``top_k + S(mB - k)``; one of
+  them carries the average ``g_k(m) = (top_k + S(mB - k)) / m``. The bound
+  uses ``min_m g_k(m)`` for every ``k``.
+
+``g_k`` is unimodal in ``m``: going from ``m`` to ``m + 1`` parts adds the next
+``B`` fillers ``chunk(m) = S((m+1)B - k) - S(mB - k)``, so ``g_k(m + 1) <
+g_k(m)`` iff ``chunk(m) < g_k(m)``, and once ``chunk(m) >= g_k(m)`` it stays so
+(``g_k(m + 1)`` lies between ``g_k(m)`` and ``chunk(m)``, and chunks grow with
+``m``). The minimum is therefore at the first ``m`` with ``chunk(m) >=
+g_k(m)``: a binary search, vectorised over all ``k``. For integers the test
+``chunk >= ceil(num / m)`` is exact (``chunk`` is an integer), so the bound is
+exact; only ``k`` whose best case (``m = k``) can beat the running maximum are
+searched.
+
+The grouped term holds for free sizes too (with ``a`` in place of ``B``; it
+adds nothing when ``a <= 1``), but the free-size refinement targets were
+measured without it, so it is used for equal sizes only.
+
+The micro-batch planner adds a bound of its own for a token budget
+(``balancer.microbatch._capped_bound``): it counts tokens rather than items
+and fills with the cheapest cost per token, a different quantity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from balancer.partition._validate import as_workloads, check_num_parts, check_sizes
+
+__all__ = ["as_float", "bound_sorted", "lower_bound", "prefix_sums"]
+
+
+def lower_bound(workloads: Any, num_parts: int, *, equal_size: bool = True, min_size: int = 0,
+                max_size: int | None = None) -> float:
+    """Lower bound on the max part load: no partition into ``num_parts`` parts beats it.
+
+    Equal sizes (default), every part exactly ``B = N / W`` items, as in
+    :func:`balanced_partition`. With ``v`` the workloads sorted descending and
+    ``S(j)`` the sum of the ``j`` smallest:
+
+    * mean: the parts share the total, so some part has ``>= sum / W``;
+    * pigeonhole: of the ``k`` largest items some part holds ``c = ceil(k/W)``;
+      the sum of any ``c`` of them is at least the sum of the ``c`` smallest of
+      the ``k``, and its other ``B - c`` items (distinct from those) sum to at
+      least ``S(B - c)``. ``k = 1`` gives ``max item + S(B - 1)``;
+    * grouped: let the ``k`` largest items (``k < W``) lie in ``m`` distinct
+      parts, ``ceil(k/B) <= m <= k``. Those parts hold ``mB`` items, the ``k``
+      plus ``mB - k`` others, so their total is ``>= top_k + S(mB - k)`` and
+      one of them carries the average. Minimising over ``m`` covers every
+      partition. This is tight when a few huge items each need a part topped
+      up with the smallest fillers (e.g. 362 clipped samples among 8192 parts).
+
+    The bound is the maximum over all terms, the grouped term for every
+    ``k < W`` (the minimum over ``m`` by binary search: the average is
+    unimodal in ``m``). For integers it is exact (ceil of the averages,
+    rounded down to a float); for floats it is reduced by ``4 N eps`` to
+    absorb rounding.
+
+    ``equal_size=False``: parts of ``min_size`` to ``max_size`` items (``None``:
+    unbounded), as in :func:`free_partition`; ``N`` need not be divisible by
+    ``num_parts``. Mean, largest item and the pigeonhole term with parts of at
+    least ``max(min_size, N - (W - 1) max_size)`` items.
+
+    Args:
+        workloads: [N] non-negative workloads (list, ndarray or CPU tensor).
+        num_parts: W.
+        equal_size: parts of exactly ``N / W`` items; ``False``: free sizes.
+        min_size, max_size: items per part, with ``equal_size=False`` only.
+
+    Returns:
+        A value no partition with those part sizes can beat.
+
+    Raises:
+        ValueError: see :func:`balanced_partition`; with ``equal_size=False``
+            see :func:`free_partition`; ``min_size`` or ``max_size`` given
+            with ``equal_size=True``.
+    """
+    if equal_size:
+        if min_size or max_size is not None:
+            raise ValueError(f"min_size={min_size!r}, max_size={max_size!r}: item-count bounds "
+                             "apply to free sizes (equal_size=False) only")
+        x = as_workloads(workloads, num_parts)
+        return as_float(bound_sorted(np.sort(x), num_parts), x.size)
+    check_num_parts(num_parts)
+    x = as_workloads(workloads, 1)
+    lo, hi = check_sizes(x.size, num_parts, min_size, max_size)
+    bound = bound_sorted(np.sort(x), num_parts, equal_size=False, min_size=lo,
+                         max_size=None if max_size is None else hi)
+    return as_float(bound, x.size)
+
+
+def as_float(bound: int | float, n: int) -> float:
+    """A float no larger than ``bound`` (an exact int rounded down; a float
+    lowered by ``4 n eps`` to absorb the rounding of ``n``-term sums)."""
+    if isinstance(bound, int):
+        f = float(bound)
+        return f if int(f) <= bound else math.nextafter(f, -math.inf)
+    return bound * (1.0 - 4.0 * n * np.finfo(np.float64).eps)
+
+
+def prefix_sums(v: np.ndarray) -> np.ndarray:
+    """[N + 1] prefix sums of ``v`` in its own dtype (exact for int64)."""
+    prefix = np.zeros(v.size + 1, v.dtype)
+    np.cumsum(v, out=prefix[1:])
+    return prefix
+
+
+def bound_sorted(v: np.ndarray, num_parts: int, *, equal_size: bool = True, min_size: int = 0,
+                 max_size: int | None = None, prefix: np.ndarray | None = None) -> int | float:
+    """:func:`lower_bound` on ascending ``v`` (an exact int for int64 input, else a float).
+
+    Args:
+        v: [N] workloads sorted ascending (N divisible by ``num_parts`` with
+            ``equal_size``).
+        num_parts: W.
+        equal_size: parts of exactly ``N / W`` items; ``False``: free sizes
+            within ``[min_size, max_size]`` (validated; ``None``: unbounded).
+        min_size, max_size: items per part, with ``equal_size=False``.
+        prefix: optional :func:`prefix_sums` of ``v`` (computed if omitted).
+    """
+    n, w = v.size, num_parts
+    if n == 0:
+        return 0
+    is_int = v.dtype.kind == "i"
+    if prefix is None:
+        prefix = prefix_sums(v)
+    total = prefix[n]
+    best = max(-(-int(total) // w) if is_int else float(total) / w, v[n - 1].item())
+    if equal_size:
+        b = n // w
+        least = b  # items every part holds at least
+    else:
+        least = max(min_size, n - (w - 1) * (n if max_size is None else max_size), 0)
+    # Pigeonhole: some part holds c = ceil(k/W) of the k largest. Within a block
+    # of equal c the bound grows as k shrinks, so k = (c-1)W + 1 suffices.
+    c = np.arange(1, -(-n // w) + 1)
+    k = (c - 1) * w + 1
+    pig = prefix[n - k + c] - prefix[n - k] + prefix[np.maximum(least - c, 0)]
+    best = max(best, pig.max().item())
+    if not equal_size or w < 2:
+        return best
+    # Grouped, for every k < W whose best case (each of the k alone with the
+    # smallest fillers, m = k) beats the running maximum.
+    k = np.arange(1, w, dtype=np.int64)
+    top = total - prefix[n - k]
+    alone = top + prefix[k * (b - 1)]
+    # The filter may keep a few too many (float), never too few.
+    useful = alone / k > float(best) * (1.0 - 1e-9)
+    k, top = k[useful], top[useful]
+    if k.size == 0:
+        return best
+    lo = -(-k // b)  # the first m with P(m) lies in [lo, k]; P(k) holds by convention
+    hi = k.copy()
+    while True:
+        act = lo < hi
+        if not act.any():
+            break
+        mid = (lo + hi) // 2
+        start = prefix[mid * b - k]
+        chunk = prefix[(mid + 1) * b - k] - start
+        num = top + start
+        found = chunk >= (-(-num // mid) if is_int else num / mid)
+        hi = np.where(act & found, mid, hi)
+        lo = np.where(act & ~found, mid + 1, lo)
+    num = top + prefix[lo * b - k]
+    f = -(-num // lo) if is_int else num / lo
+    return max(best, f.max().item())
