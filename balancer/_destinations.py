@@ -15,6 +15,7 @@ Deterministic in its arguments: every rank computes the same destinations.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
@@ -28,6 +29,8 @@ from balancer.partition._balanced import solve_rows
 from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign
 from balancer.partition._worker import PartitionWorker
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PartitionFn", "PartitionResult", "destinations", "partition", "partition_free", "validate_partition"]
 
@@ -81,11 +84,13 @@ class PartitionResult:
     dest: np.ndarray  # [W * B] destination rank per global sample
     lower_bound: float  # in workload units
     seconds: float  # partition compute time (child or thread), not waiting
+    token_cap: float | None = None  # the cap on tokens per rank the partition honoured, if any
 
 
 def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker: PartitionWorker | None,
               locality: bool, localize: Callable[..., Any], lower_bound: Callable[..., float],
-              capacity: int | None = None) -> PartitionResult:
+              capacity: int | None = None, tokens: np.ndarray | None = None,
+              token_cap: float | None = None) -> PartitionResult:
     """Partition the gathered workloads into W parts of B (background thread).
 
     ``worker`` (the torch-free child) runs ``balanced_partition`` (+ locality)
@@ -96,6 +101,13 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
     With ``capacity`` the parts are free in size, up to ``capacity`` real
     samples each (:func:`balancer.partition.free_partition`); see
     :func:`partition_free`.
+
+    With ``token_cap`` (and ``balanced_partition``): no rank receives more
+    than ``token_cap`` times the mean of ``tokens`` ([W * B] per sample, 0
+    for padding), or the proven minimum any partition reaches if that is
+    higher; compute is balanced under the cap. If the search cannot meet the
+    cap, compute alone is balanced (``PartitionResult.token_cap`` is then
+    ``None``): the same on every rank, since the inputs are.
     """
     if capacity is not None:
         return partition_free(g, layout, capacity, locality)
@@ -104,6 +116,10 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
     home = np.arange(x.size, dtype=np.int64) // b if locality else None
     sizes = sample_bytes(layout, g.lengths).astype(np.float64) if locality else None
     q = quantize(x)
+    if fn is None and token_cap is not None and tokens is not None and w > 1:
+        capped = _capped(x, q, w, b, home, sizes, np.asarray(tokens, np.int64), token_cap, lower_bound)
+        if capped is not None:
+            return capped
     if fn is None:
         rows = None
         if worker is not None:
@@ -124,9 +140,27 @@ def partition(g: Gathered, layout: PlanLayout, *, fn: PartitionFn | None, worker
         seconds = perf_counter() - t0
         top = float(x.max(initial=0.0))
         bound = float(lower_bound(x / top, w)) * top if top > 0 else 0.0
+    return _guarded(rows, q, w, b, bound, seconds, None)
+
+
+def _capped(x: np.ndarray, q: np.ndarray, w: int, b: int, home: np.ndarray | None, sizes: np.ndarray | None,
+            tokens: np.ndarray, token_cap: float, lower_bound: Callable[..., float]) -> PartitionResult | None:
+    """``balanced_partition`` under the token cap, or ``None`` if the search cannot meet it."""
+    cap = max(token_cap * float(tokens.sum()) / w, float(lower_bound(tokens, w)))
+    try:
+        rows, seconds, bound = solve_rows(x, w, home, sizes, quantized=True, tokens=tokens, max_tokens=cap)
+    except ValueError as e:  # raised only for a cap the search did not meet
+        logger.debug("balancer: token cap %.6g not met (%s); balancing compute alone", cap, e)
+        return None
+    return _guarded(validate_partition(rows, w, b), q, w, b, bound, seconds, cap)
+
+
+def _guarded(rows: np.ndarray, q: np.ndarray, w: int, b: int, bound: float, seconds: float,
+             cap: float | None) -> PartitionResult:
+    """The result, never worse in compute than staying (then without a cap)."""
     if _max_load(rows, q) > _max_load(np.arange(w * b).reshape(w, b), q):
-        rows = np.arange(w * b, dtype=np.int64).reshape(w, b)  # never worse than staying
-    return PartitionResult(destinations(rows, w * b), bound, seconds)
+        rows, cap = np.arange(w * b, dtype=np.int64).reshape(w, b), None  # never worse than staying
+    return PartitionResult(destinations(rows, w * b), bound, seconds, cap)
 
 
 def partition_free(g: Gathered, layout: PlanLayout, capacity: int, locality: bool) -> PartitionResult:

@@ -50,6 +50,13 @@ class ShuffleStats:
             (``workload_fn``'s costs were used).
         real_before, real_after: [W] real samples per rank in the input and
             output batches.
+        tokens_before, tokens_after: [W] tokens per rank in the input and
+            output batches: the real samples' elements over every KJT key (or
+            ``seq_lens`` of a ``TokenBatch``), what activation memory follows.
+        token_cap: the cap on tokens per rank this shuffle honoured
+            (``BatchShuffler(token_cap=...)`` times the mean, or the proven
+            minimum if higher); ``None`` without a cap or where the search
+            could not meet it (compute alone was balanced).
     """
 
     seq: int
@@ -77,6 +84,9 @@ class ShuffleStats:
     calibration: CostModel | None = None
     real_before: list[int] = dataclasses.field(default_factory=list)
     real_after: list[int] = dataclasses.field(default_factory=list)
+    tokens_before: list[int] = dataclasses.field(default_factory=list)
+    tokens_after: list[int] = dataclasses.field(default_factory=list)
+    token_cap: float | None = None
 
     @property
     def imbalance_before(self) -> float:
@@ -89,6 +99,16 @@ class ShuffleStats:
         return self.max_after / self.mean_after if self.mean_after else 1.0
 
     @property
+    def token_imbalance_before(self) -> float:
+        """Max/mean tokens per rank in the input batches (1.0 when empty)."""
+        return _ratio(self.tokens_before)
+
+    @property
+    def token_imbalance_after(self) -> float:
+        """Max/mean tokens per rank in the output batches (1.0 when empty)."""
+        return _ratio(self.tokens_after)
+
+    @property
     def host_blocked_s(self) -> float:
         """Seconds the calling thread was blocked in this shuffle: waiting for
         the background work plus inside a blocking collective."""
@@ -96,13 +116,15 @@ class ShuffleStats:
 
 
 def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: np.ndarray, real: np.ndarray,
-                lower_bound: float, partition_s: float, traffic: Traffic, background_s: float) -> ShuffleStats:
+                lower_bound: float, partition_s: float, traffic: Traffic, background_s: float,
+                tokens: np.ndarray | None = None, token_cap: float | None = None) -> ShuffleStats:
     """:class:`ShuffleStats` of a shuffle, with this rank's calling-thread times still 0.
 
     Args:
         workloads: [W * B] workloads by global index, 0 for padding.
         dest: [W * B] destination rank by global index.
         real: [W] real samples per rank.
+        tokens: [W * B] tokens per sample by global index, 0 for padding.
     """
     w = real.size
     b = workloads.size // w if w else 0
@@ -123,7 +145,25 @@ def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: 
         moved_fraction=moved / total_real if total_real else 0.0, background_s=background_s,
         real_before=[int(v) for v in real],
         real_after=[int(v) for v in np.bincount(dest[is_real], minlength=w)] if b else [0] * w,
+        tokens_before=_per_rank(tokens, None, w, b), tokens_after=_per_rank(tokens, dest, w, b),
+        token_cap=token_cap,
     )
+
+
+def _per_rank(tokens: np.ndarray | None, dest: np.ndarray | None, w: int, b: int) -> list[int]:
+    """Tokens per rank: where samples are (``dest=None``) or where they go."""
+    if tokens is None:
+        return []
+    if not b:
+        return [0] * w
+    t = np.asarray(tokens, np.int64)
+    per = t.reshape(w, b).sum(axis=1) if dest is None else np.bincount(dest, weights=t, minlength=w)
+    return [int(v) for v in per]
+
+
+def _ratio(per_rank: list[int]) -> float:
+    mean = sum(per_rank) / len(per_rank) if per_rank else 0.0
+    return max(per_rank) / mean if mean else 1.0
 
 
 def format_stats(s: ShuffleStats) -> str:

@@ -65,7 +65,8 @@ def gathered_from(rows: np.ndarray, batch_size: int, num_lengths: int) -> Gather
 def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm: str, locality: bool,
               fn: PartitionFn | None = None, localize: Callable[..., Any] | None = None,
               lower_bound: Callable[..., float] | None = None, capacity: int | None = None,
-              cost_model: CostModel | None = None, length_rows: tuple[int, ...] | None = None) -> Step:
+              cost_model: CostModel | None = None, length_rows: tuple[int, ...] | None = None,
+              token_cap: float | None = None) -> Step:
     """Partition, plan and describe shuffle ``seq`` for ``rank``.
 
     Args:
@@ -80,12 +81,15 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
             replace ``workload_fn``'s in the partition and the statistics.
         length_rows: rows of the lengths matrix summed into a sample's length
             ``L`` for calibration (``None``: every row).
+        token_cap: cap every rank's tokens (a sample's elements over every
+            lengths row) at this multiple of the mean (``None``: no cap).
     """
     g = gathered_from(rows, layout.batch_size, layout.num_lengths)
     raw = g.workloads
     chosen = g.lengths if length_rows is None else g.lengths[:, list(length_rows)]
     totals = chosen.sum(axis=1).reshape(-1)  # every sample's length L, for calibration
     is_real = real_mask(g.real, layout.batch_size)
+    tokens = np.where(is_real, g.lengths.sum(axis=1).reshape(-1), 0)  # elements per sample, every key
     if cost_model is not None:
         g = dataclasses.replace(g, workloads=np.where(is_real, cost_model.costs(raw, totals), 0.0))
     if fn is None:
@@ -95,7 +99,7 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
         localize, lower_bound = _localize, _lower_bound
     assert localize is not None and lower_bound is not None, "a custom partition comes with both"
     result = partition(g, layout, fn=fn, worker=None, locality=locality, localize=localize,
-                       lower_bound=lower_bound, capacity=capacity)
+                       lower_bound=lower_bound, capacity=capacity, tokens=tokens, token_cap=token_cap)
     b = layout.batch_size
     plan = plan_rank(result.dest, b, g.real, rank)
     moves = bool((moved_mask(result.dest, b) & real_mask(g.real, b)).any())
@@ -103,7 +107,7 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
     stats = build_stats(seq=seq, rank=rank, comm=comm if moves else "none", workloads=g.workloads,
                         dest=result.dest, real=g.real, lower_bound=result.lower_bound,
                         partition_s=result.seconds, traffic=exchange.traffic if exchange else Traffic(),
-                        background_s=0.0)
+                        background_s=0.0, tokens=tokens, token_cap=result.token_cap)
     stats = dataclasses.replace(stats, calibration=cost_model)
     feats = features(raw, totals, result.dest, is_real, g.world_size)
     return Step(result.dest, plan_digest(result.dest), exchange, stats, feats)

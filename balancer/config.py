@@ -46,6 +46,15 @@ def check_timeout(owner: str, field: str, value: object) -> None:
         raise ValueError(f"{owner}: {field}={value!r}, expected a finite number of seconds > 0")
 
 
+def check_token_cap(owner: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is None or a finite number >= 1 (a multiple of the mean)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < float("inf"):
+        raise ValueError(f"{owner}: token_cap={value!r}, expected None or a finite number >= 1.0 "
+                         "(the cap on tokens per rank as a multiple of the mean)")
+
+
 def identity(obj: Any) -> str:
     """What ranks compare to check they configured the same callable.
 
@@ -145,6 +154,13 @@ class BalancerConfig:
     """The KJT keys whose lengths make up a sample's length in the fitted
     model (the sequence the model attends over); ``None``: every key."""
 
+    token_cap: float | None = None
+    """Balance compute and memory at once: no rank receives more than
+    ``token_cap`` times the mean tokens (jagged elements) per rank, compute
+    balanced under that cap; ``None``: compute only. Needs
+    ``partition="balanced"`` and ``capacity=None``. See
+    ``BatchShuffler(token_cap=...)``."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -162,5 +178,9 @@ class BalancerConfig:
         if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
                                           or self.capacity < 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")
+        check_token_cap(me, self.token_cap)
+        if self.token_cap is not None and (self.partition != "balanced" or self.capacity is not None):
+            raise ValueError(f"{me}: token_cap={self.token_cap} needs partition='balanced' and capacity=None, "
+                             f"got partition={self.partition!r}, capacity={self.capacity!r}")
         if self.capacity is not None and self.partition != "balanced":
             raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")

@@ -418,6 +418,7 @@ def create_train_pipeline(
             capacity=config.capacity,
             calibrate=config.online_calibration,
             calibration_keys=config.calibration_keys,
+            token_cap=config.token_cap,
         )
     else:
         shuffler = IdentityBatchShuffler()

@@ -70,6 +70,7 @@ from balancer.config import (
     check_choice,
     check_interval,
     check_timeout,
+    check_token_cap,
     identity,
 )
 from balancer.errors import ShuffleAbortedError
@@ -153,6 +154,16 @@ class BatchShuffler(ShufflerBase):
             length ``L`` in the fit (the sequence the model attends over);
             ``None``: every key of every KJT field. A ``TokenBatch`` uses
             ``seq_lens``.
+        token_cap: balance compute and memory at once: no rank receives more
+            than ``token_cap`` times the mean tokens per rank (a sample's
+            tokens: its elements over every KJT key, or its ``seq_lens``), or
+            the proven minimum if that is higher, with compute balanced under
+            the cap. ``None`` (default): compute only (tokens then end around
+            1.05x the mean, up to 1.14x, on Zipf lengths). Compute quality is
+            unchanged down to about 1.05; tighter caps cost some compute
+            balance and partition time (``docs/benchmarks_partition.md``).
+            ``handle.stats.token_imbalance_after`` shows the result. Needs the
+            default ``partition`` and ``capacity=None``.
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -163,7 +174,7 @@ class BatchShuffler(ShufflerBase):
                  partition: PartitionFn = balanced_partition, locality: bool = True,
                  log_interval: int = 0, executor: str = "auto", timeout: float = 300.0,
                  capacity: int | None = None, calibrate: bool = False,
-                 calibration_keys: Sequence[str] | None = None) -> None:
+                 calibration_keys: Sequence[str] | None = None, token_cap: float | None = None) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         me = type(self).__name__
@@ -181,6 +192,11 @@ class BatchShuffler(ShufflerBase):
             if partition is not balanced_partition:
                 raise ValueError(f"{me}: capacity={capacity} partitions with free_partition; "
                                  f"partition={getattr(partition, '__name__', partition)!r} makes equal parts")
+        check_token_cap(me, token_cap)
+        if token_cap is not None and (partition is not balanced_partition or capacity is not None):
+            raise ValueError(f"{me}: token_cap={token_cap} needs the default partition (balanced_partition) "
+                             f"and capacity=None; got partition={getattr(partition, '__name__', partition)!r}, "
+                             f"capacity={capacity!r}")
         if executor == "auto":
             executor = "process" if partition is balanced_partition else "thread"
         if executor == "process" and partition is not balanced_partition:
@@ -192,6 +208,7 @@ class BatchShuffler(ShufflerBase):
         self.comm, self.partition, self.locality, self.executor = comm, partition, locality, executor
         self.timeout = float(timeout)
         self.capacity = capacity
+        self.token_cap = None if token_cap is None else float(token_cap)
         self.calibrate = calibrate
         if calibration_keys is not None and (isinstance(calibration_keys, str) or not all(
                 isinstance(k, str) for k in calibration_keys)):
@@ -200,6 +217,7 @@ class BatchShuffler(ShufflerBase):
         self._config = {"comm": comm, "locality": str(locality), "partition": identity(partition),
                         "workload_fn": identity(workload_fn), "capacity": str(capacity),
                         "calibrate": str(calibrate), "calibration_keys": str(calibration_keys),
+                        "token_cap": repr(self.token_cap),
                         "balancer": __version__}
         self._calibration = CalibrationState()
         self._config_fp = fingerprint(self._config)
@@ -374,7 +392,8 @@ class BatchShuffler(ShufflerBase):
             fit = self._calibration.update(key, rows, meta.seq) if self.calibrate else None
             kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
                           comm=self.comm, locality=self.locality, capacity=self.capacity,
-                          cost_model=self._calibration.model(key), length_rows=self._length_rows(meta.layout))
+                          cost_model=self._calibration.model(key), length_rows=self._length_rows(meta.layout),
+                          token_cap=self.token_cap)
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:

@@ -136,17 +136,19 @@ def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
 
 
 def solve_rows(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
-               sizes: np.ndarray | None = None, quantized: bool = False) -> tuple[np.ndarray, float, float]:
+               sizes: np.ndarray | None = None, quantized: bool = False, tokens: np.ndarray | None = None,
+               max_tokens: float | None = None) -> tuple[np.ndarray, float, float]:
     """``balanced_partition`` (+ ``localize`` with ``home``) as ``[num_parts, B]``
     int64 rows, its compute seconds, and ``lower_bound`` of ``workloads``.
 
     With ``quantized`` the partition runs on :func:`balancer._quantize.quantize`
     of the workloads. The partition child process and the shuffler's
     in-process fallback both call this, so they return the same rows.
+    ``tokens`` / ``max_tokens``: the token cap of :func:`balanced_partition`.
     """
     t0 = time.perf_counter()
     x = quantize(workloads) if quantized else workloads
-    rows = np.asarray(localized_rows(x, num_parts, home, sizes), dtype="<i8")
+    rows = np.asarray(localized_rows(x, num_parts, home, sizes, tokens=tokens, max_tokens=max_tokens), dtype="<i8")
     seconds = time.perf_counter() - t0
     if not quantized:
         return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))
