@@ -62,3 +62,16 @@ def test_bench_llm(tmp_path: Path) -> None:
 def test_bench_partition(script: str, tmp_path: Path) -> None:
     rows = _run(script, tmp_path, "--seeds", "1", timeout=600)
     assert rows
+
+
+def test_bench_scale(tmp_path: Path) -> None:
+    rows = _run("bench_scale.py", tmp_path)
+    sizes = [r for r in rows if r["bench"] == "scale_bytes"]
+    assert [r["world"] for r in sizes] == sorted(r["world"] for r in sizes) and sizes
+    for r in sizes:  # header + float64 cost + three int32 lengths per sample, from every rank
+        for b, nbytes in r["bytes"].items():
+            assert nbytes == r["world"] * 8 * (18 + int(b) + -(-3 * int(b) // 2)), r
+    groups = [r for r in rows if r["bench"] == "scale_grouping"]
+    assert groups
+    for r in groups:  # balancing over everyone is never worse than within groups, nor than nothing
+        assert r["global"] <= min(r["static"], r["mixed"]) + 1e-6 and r["global"] <= r["none"], r
