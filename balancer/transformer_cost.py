@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from balancer._quadratic import _evaluate, _names, _positive_int, _Quadratic, sequence_lengths
 from balancer.batch import BaseBatch
-from balancer.workloads import _evaluate, _names, _positive_int, _Quadratic, sequence_lengths
 
 __all__ = ["TransformerCost"]
 
