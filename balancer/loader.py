@@ -29,7 +29,7 @@ batch) while any rank still has data, so the remaining samples are spread over
 all ranks and every sample is yielded exactly once per epoch. Every rank stops
 at the first step at which every rank was exhausted. Ranks learn it from the
 step's shuffle: if any rank had a real sample of positive cost
-(``ShuffleStats.max_before > 0``) the epoch goes on; otherwise (typically once
+(``ShuffleStats.real_before``) the epoch goes on; otherwise (typically once
 per epoch) one all-reduce of a flag, in the background thread on a gloo group
 of the loader's own, decides. Every rank yields the same number of batches.
 
@@ -52,24 +52,20 @@ loader yields the same batches for the same epoch (seeded sampler,
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-import torch
 import torch.distributed as dist
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer import _comm
 from balancer._destinations import PartitionFn
-from balancer.batch import BaseBatch, pad_batch
+from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
+from balancer.batch import BaseBatch
 from balancer.config import check_bool, check_interval, check_timeout
-from balancer.errors import ShuffleAbortedError
 from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler, ShuffleStats
 
@@ -78,98 +74,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["BalancedLoader"]
 
 _B = TypeVar("_B", bound=BaseBatch)
-
-
-class _Workloads:
-    """The user's ``workload_fn`` as the shuffler sees it.
-
-    ``__wrapped__`` makes the shuffler's cross-rank configuration check
-    identify it by the user's function, not by this wrapper. ``report``: an
-    exception the producer thread sets just before shuffling a carrier batch,
-    to make this rank's phase 1 fail with it -- the shuffle then raises the
-    same ``ValueError`` naming it on every rank.
-    """
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.__wrapped__ = fn
-        self.report: BaseException | None = None
-
-    def __call__(self, batch: Any) -> Any:
-        if self.report is not None:
-            raise self.report
-        return self.__wrapped__(batch)
-
-
-class WrappedLoaderError(RuntimeError):
-    """This rank's wrapped loader raised (or had no batch to take part with);
-    every rank raises a ``ValueError`` naming it."""
-
-
-@dataclasses.dataclass
-class _Template:
-    """Per rank, from its first batch: the batch size and an all-padding batch."""
-
-    batch_size: int | None = None
-    padding: BaseBatch | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Item:
-    batch: BaseBatch
-    stats: ShuffleStats
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    error: BaseException
-
-
-_DONE = object()
-
-
-class _Run:
-    """One pass over the wrapped loader: the producer thread, its credits and queue.
-
-    The producer runs one step per credit. The consumer grants one credit per
-    ``next()`` on top of the initial ``ahead``, so on every rank that consumed
-    the same number of batches the producer runs the same number of shuffles.
-    Stopping keeps that symmetry: the producer finishes the steps it already
-    has credit for (its peers run them too) and then exits, so no rank is left
-    waiting in a collective its peers never join.
-    """
-
-    def __init__(self, ahead: int) -> None:
-        self.cond = threading.Condition()
-        self.credits = ahead
-        self.stopping = False
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-
-    def grant(self) -> None:
-        with self.cond:
-            self.credits += 1
-            self.cond.notify()
-
-    def take(self) -> bool:
-        """Producer: wait for a credit; ``False`` once stopping with none left."""
-        with self.cond:
-            while self.credits == 0 and not self.stopping:
-                self.cond.wait()
-            if self.credits == 0:
-                return False
-            self.credits -= 1
-            return True
-
-    def stop(self) -> None:
-        """Ask the producer to exit after its credited steps; never blocks (finalizers call it)."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-
-    def join(self) -> None:
-        self.stop()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join()
 
 
 class BalancedLoader(Generic[_B]):
@@ -231,7 +135,7 @@ class BalancedLoader(Generic[_B]):
         check_timeout(me, "timeout", timeout)
         self._loader = loader
         self._ahead, self._pin = ahead, pin_memory
-        self._workloads = _Workloads(workload_fn)
+        self._workloads = Workloads(workload_fn)
         self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
                                        executor=executor, timeout=timeout, log_interval=log_interval,
                                        token_cap=token_cap)
@@ -245,11 +149,11 @@ class BalancedLoader(Generic[_B]):
             ranks = dist.get_process_group_ranks(self._group)
             self._signal = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
                                           use_local_synchronization=True)
-        self._template = _Template(batch_size=batch_size)
+        self._template = Template(batch_size=batch_size)
         self._epoch = 0
         self._consumed = 0  # batches the user took from the current (or last) pass
         self._skip = 0  # steps the next pass fast-forwards (load_state_dict)
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._stats: ShuffleStats | None = None
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_quietly, [None])
@@ -265,7 +169,7 @@ class BalancedLoader(Generic[_B]):
             raise RuntimeError("BalancedLoader is closed")
         self._end_run()
         skip, self._skip = self._skip, 0
-        run = _Run(self._ahead)
+        run = Run(self._ahead)
         # iter() on the calling thread: a DataLoader starts its worker
         # processes here, as it would without the wrapper. If that fails, the
         # producer reports it through the first shuffle, so every rank raises.
@@ -275,24 +179,24 @@ class BalancedLoader(Generic[_B]):
             source = _raising(e)
         args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
                 self._world, self._signal, self._pin)
-        run.thread = threading.Thread(target=_produce, args=args, name="balancer-loader", daemon=True)
+        run.thread = threading.Thread(target=produce, args=args, name="balancer-loader", daemon=True)
         run.thread.start()
         self._run, self._consumed = run, skip
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _stop_quietly, [run])
         return _BalancedIterator(self, run)
 
-    def _next(self, run: _Run) -> _B:
+    def _next(self, run: Run) -> _B:
         if run is not self._run:
             raise StopIteration  # a newer pass (or close) ended this one
         run.grant()
         item = run.items.get()
-        if isinstance(item, _Item):
+        if isinstance(item, Item):
             self._consumed += 1
             self._stats = item.stats
             return item.batch  # type: ignore[return-value]
         self._end_run()
-        if isinstance(item, _Failed):
+        if isinstance(item, Failed):
             raise item.error
         raise StopIteration
 
@@ -363,7 +267,7 @@ class BalancedLoader(Generic[_B]):
 class _BalancedIterator(Generic[_B]):
     """The iterator of one pass; dropping it stops that pass's producer."""
 
-    def __init__(self, owner: BalancedLoader[_B], run: _Run) -> None:
+    def __init__(self, owner: BalancedLoader[_B], run: Run) -> None:
         self._owner, self._run = owner, run
         weakref.finalize(self, run.stop)
 
@@ -379,7 +283,7 @@ def _raising(error: Exception) -> Iterator[Any]:
     yield  # a generator: raises at its first next()
 
 
-def _stop_quietly(holder: list[_Run | None]) -> None:
+def _stop_quietly(holder: list[Run | None]) -> None:
     run = holder[0]
     if run is not None:
         run.stop()
@@ -394,113 +298,3 @@ def _epoch_target(loader: Any) -> Any:
     return None
 
 
-# ------------------------------------------------------------ producer
-def _padding_like(batch: BaseBatch) -> BaseBatch:
-    """A batch of the same layout and size with no real sample (zero lengths, zero rows)."""
-    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        w = k.weights_or_none()
-        return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
-                                 weights=None if w is None else w.new_empty(0),
-                                 lengths=torch.zeros_like(k.lengths()), stride=batch.batch_size)
-    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)
-
-
-def _carrier(template: _Template) -> BaseBatch:
-    """A batch to report a failure with: the padding template if there is one."""
-    if template.padding is not None:
-        return _padding_like(template.padding)
-    empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64),
-                              lengths=torch.zeros(1, dtype=torch.int64))
-    return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
-
-
-def _fit(batch: Any, template: _Template) -> Any:
-    """``batch`` padded to the batch size; the first batch sets the template.
-    Anything else (another type, a larger batch) goes to the shuffle as it is,
-    which reports it on every rank."""
-    if not isinstance(batch, BaseBatch):
-        return batch
-    if template.batch_size is None:
-        template.batch_size = batch.batch_size
-    if batch.batch_size < template.batch_size:
-        batch = pad_batch(batch, template.batch_size)
-    if template.padding is None and batch.batch_size == template.batch_size:
-        template.padding = _padding_like(batch)
-    return batch
-
-
-def _produce(run: _Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler, workloads: _Workloads,
-             template: _Template, group: Any, world: int, signal: Any, pin: bool) -> None:
-    """The producer thread: one shuffled batch per credit, in step with every rank."""
-    try:
-        exhausted, failure = False, None
-        for step in range(skip):  # fast-forward (resume): one draw per consumed step
-            _, exhausted, failure = _take(source, template, exhausted, step)
-            if exhausted or failure is not None:
-                break
-        step = skip
-        while run.take():
-            if failure is None:
-                batch, exhausted, failure = _take(source, template, exhausted, step)
-            if world == 1 and exhausted:
-                break
-            if failure is not None:  # every rank raises it (this one too)
-                _report(shuffler, workloads, _carrier(template), failure, group)
-            handle = shuffler.start_shuffle_async(batch, group)
-            out = shuffler.finish_shuffle(batch, handle, group)
-            if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
-                logger.debug("BalancedLoader: every rank was exhausted at step %d: the pass ends", step)
-                break
-            run.items.put(_Item(out.pin_memory() if pin else out, handle.stats))
-            step += 1
-    except BaseException as e:  # noqa: BLE001 - raised by the consumer's next()
-        run.items.put(_Failed(e))
-    finally:
-        run.items.put(_DONE)
-
-
-def _take(source: Iterator[Any], template: _Template, exhausted: bool,
-          step: int) -> tuple[Any, bool, BaseException | None]:
-    """This rank's input of ``step``: ``(batch, exhausted, failure)``; never raises
-    (a failure is reported through the shuffle, so that every rank raises it)."""
-    if not exhausted:
-        try:
-            return _fit(next(source), template), False, None
-        except StopIteration:
-            exhausted = True
-        except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
-            failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
-            failure.__cause__ = e
-            return None, False, failure
-    if template.padding is None:
-        return None, True, WrappedLoaderError(
-            f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to take "
-            "part with; every rank's loader must yield at least one batch in a pass")
-    return _padding_like(template.padding), True, None
-
-
-def _report(shuffler: BatchShuffler, workloads: _Workloads, carrier: BaseBatch, failure: BaseException,
-            group: Any) -> None:
-    """Take part in this step with ``failure``: every rank's shuffle raises a
-    ``ValueError`` naming it (here chained from it)."""
-    workloads.report = failure
-    try:
-        shuffler.shuffle(carrier, group)
-    finally:
-        workloads.report = None
-    raise failure  # only reached without peers (one rank): the shuffle did not raise
-
-
-def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
-    """Whether any rank still had data at this step (the same answer on every rank)."""
-    if sum(stats.real_before) > 0:  # some rank had a real sample: not exhausted
-        return True
-    # No real sample anywhere: the end of the pass, or every rank's loader gave
-    # a batch of padding only. One flag from every rank decides.
-    flag = torch.tensor([0 if exhausted else 1], dtype=torch.int64)
-    try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=signal)
-    except RuntimeError as e:  # a gloo timeout or a lost peer
-        raise ShuffleAbortedError(f"BalancedLoader: the end-of-data signal after shuffle #{seq} failed: {e}",
-                                  seq=seq, phase="loader stop signal", missing=None) from e
-    return bool(flag[0])

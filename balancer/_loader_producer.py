@@ -1,0 +1,234 @@
+"""The producer thread of :class:`balancer.loader.BalancedLoader`: one shuffled batch per credit.
+
+Runs on its own thread, in step with every rank of the group: takes this
+rank's next batch (padded to the batch size, or an all-padding batch once the
+wrapped loader is exhausted), shuffles it, decides whether the pass goes on,
+and queues the result for the training thread. A failure on any rank is sent
+through the shuffle so that every rank raises it. See the loader's module
+docstring for the policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from balancer.batch import BaseBatch, pad_batch
+from balancer.errors import ShuffleAbortedError
+from balancer.shuffler import BatchShuffler, ShuffleStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Failed", "Item", "Run", "Template", "WrappedLoaderError", "Workloads", "produce"]
+
+
+class Workloads:
+    """The user's ``workload_fn`` as the shuffler sees it.
+
+    ``__wrapped__`` makes the shuffler's cross-rank configuration check
+    identify it by the user's function, not by this wrapper. ``report``: an
+    exception the producer thread sets just before shuffling a carrier batch,
+    to make this rank's phase 1 fail with it -- the shuffle then raises the
+    same ``ValueError`` naming it on every rank.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.__wrapped__ = fn
+        self.report: BaseException | None = None
+
+    def __call__(self, batch: Any) -> Any:
+        if self.report is not None:
+            raise self.report
+        return self.__wrapped__(batch)
+
+
+class WrappedLoaderError(RuntimeError):
+    """This rank's wrapped loader raised (or had no batch to take part with);
+    every rank raises a ``ValueError`` naming it."""
+
+
+@dataclasses.dataclass
+class Template:
+    """Per rank, from its first batch: the batch size and an all-padding batch."""
+
+    batch_size: int | None = None
+    padding: BaseBatch | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    batch: BaseBatch
+    stats: ShuffleStats
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+_DONE = object()
+
+
+class Run:
+    """One pass over the wrapped loader: the producer thread, its credits and queue.
+
+    The producer runs one step per credit. The consumer grants one credit per
+    ``next()`` on top of the initial ``ahead``, so on every rank that consumed
+    the same number of batches the producer runs the same number of shuffles.
+    Stopping keeps that symmetry: the producer finishes the steps it already
+    has credit for (its peers run them too) and then exits, so no rank is left
+    waiting in a collective its peers never join.
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.cond = threading.Condition()
+        self.credits = ahead
+        self.stopping = False
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def grant(self) -> None:
+        with self.cond:
+            self.credits += 1
+            self.cond.notify()
+
+    def take(self) -> bool:
+        """Producer: wait for a credit; ``False`` once stopping with none left."""
+        with self.cond:
+            while self.credits == 0 and not self.stopping:
+                self.cond.wait()
+            if self.credits == 0:
+                return False
+            self.credits -= 1
+            return True
+
+    def stop(self) -> None:
+        """Ask the producer to exit after its credited steps; never blocks (finalizers call it)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def join(self) -> None:
+        self.stop()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+# ------------------------------------------------------------ producer
+def _padding_like(batch: BaseBatch) -> BaseBatch:
+    """A batch of the same layout and size with no real sample (zero lengths, zero rows)."""
+    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        w = k.weights_or_none()
+        return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
+                                 weights=None if w is None else w.new_empty(0),
+                                 lengths=torch.zeros_like(k.lengths()), stride=batch.batch_size)
+    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)
+
+
+def _carrier(template: Template) -> BaseBatch:
+    """A batch to report a failure with: the padding template if there is one."""
+    if template.padding is not None:
+        return _padding_like(template.padding)
+    empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64),
+                              lengths=torch.zeros(1, dtype=torch.int64))
+    return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
+
+
+def _fit(batch: Any, template: Template) -> Any:
+    """``batch`` padded to the batch size; the first batch sets the template.
+    Anything else (another type, a larger batch) goes to the shuffle as it is,
+    which reports it on every rank."""
+    if not isinstance(batch, BaseBatch):
+        return batch
+    if template.batch_size is None:
+        template.batch_size = batch.batch_size
+    if batch.batch_size < template.batch_size:
+        batch = pad_batch(batch, template.batch_size)
+    if template.padding is None and batch.batch_size == template.batch_size:
+        template.padding = _padding_like(batch)
+    return batch
+
+
+def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler, workloads: Workloads,
+             template: Template, group: Any, world: int, signal: Any, pin: bool) -> None:
+    """The producer thread: one shuffled batch per credit, in step with every rank."""
+    try:
+        exhausted, failure = False, None
+        for step in range(skip):  # fast-forward (resume): one draw per consumed step
+            _, exhausted, failure = _take(source, template, exhausted, step)
+            if exhausted or failure is not None:
+                break
+        step = skip
+        while run.take():
+            if failure is None:
+                batch, exhausted, failure = _take(source, template, exhausted, step)
+            if world == 1 and exhausted:
+                break
+            if failure is not None:  # every rank raises it (this one too)
+                _report(shuffler, workloads, _carrier(template), failure, group)
+            handle = shuffler.start_shuffle_async(batch, group)
+            out = shuffler.finish_shuffle(batch, handle, group)
+            if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
+                logger.debug("BalancedLoader: every rank was exhausted at step %d: the pass ends", step)
+                break
+            run.items.put(Item(out.pin_memory() if pin else out, handle.stats))
+            step += 1
+    except BaseException as e:  # noqa: BLE001 - raised by the consumer's next()
+        run.items.put(Failed(e))
+    finally:
+        run.items.put(_DONE)
+
+
+def _take(source: Iterator[Any], template: Template, exhausted: bool,
+          step: int) -> tuple[Any, bool, BaseException | None]:
+    """This rank's input of ``step``: ``(batch, exhausted, failure)``; never raises
+    (a failure is reported through the shuffle, so that every rank raises it)."""
+    if not exhausted:
+        try:
+            return _fit(next(source), template), False, None
+        except StopIteration:
+            exhausted = True
+        except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
+            failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
+            failure.__cause__ = e
+            return None, False, failure
+    if template.padding is None:
+        return None, True, WrappedLoaderError(
+            f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to take "
+            "part with; every rank's loader must yield at least one batch in a pass")
+    return _padding_like(template.padding), True, None
+
+
+def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch, failure: BaseException,
+            group: Any) -> None:
+    """Take part in this step with ``failure``: every rank's shuffle raises a
+    ``ValueError`` naming it (here chained from it)."""
+    workloads.report = failure
+    try:
+        shuffler.shuffle(carrier, group)
+    finally:
+        workloads.report = None
+    raise failure  # only reached without peers (one rank): the shuffle did not raise
+
+
+def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
+    """Whether any rank still had data at this step (the same answer on every rank)."""
+    if sum(stats.real_before) > 0:  # some rank had a real sample: not exhausted
+        return True
+    # No real sample anywhere: the end of the pass, or every rank's loader gave
+    # a batch of padding only. One flag from every rank decides.
+    flag = torch.tensor([0 if exhausted else 1], dtype=torch.int64)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=signal)
+    except RuntimeError as e:  # a gloo timeout or a lost peer
+        raise ShuffleAbortedError(f"BalancedLoader: the end-of-data signal after shuffle #{seq} failed: {e}",
+                                  seq=seq, phase="loader stop signal", missing=None) from e
+    return bool(flag[0])
