@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from balancer._limits import PACKED_KEY_LIMIT
+from balancer.partition._polish_all import fits, polish_all
 
 __all__ = ["order_floats", "polish", "polish_pairs", "sort_order", "sort_values", "swap_rounds"]
 
@@ -111,6 +112,9 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     # with small fillers can still trade down to); all parts when that is
     # cheap or when those had no swap.
     few = w - 1 > 3 * _PARTNERS and (w - 1) * b > _BUDGET
+    budget = max_items if max_items is not None else -1
+    if not few and fits(vals, loads):
+        return polish_all(vals, rows, loads, target, max_steps, budget, stop_at)
     full = not few
     # Owners of the 2K smallest items only (scattering all N owners costs more
     # than a whole polish at N = 262,144).
@@ -119,7 +123,6 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     if few:
         r, c = np.nonzero(rows < small)
         owner[rows[r, c]] = r
-    budget = max_items if max_items is not None else -1
     sorted_at = -_REORDER
     order = np.arange(w)
     while steps < max_steps:
