@@ -204,7 +204,7 @@ def _search_rows(keys: np.ndarray, queries: np.ndarray, span: int | None = None)
 
 def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                 max_rounds: int, partners: int = 8, max_items: int | None = None,
-                stop_at: float | None = None) -> int:
+                stop_at: float | None = None, min_heavy: int = 1) -> int:
     """Parallel swap rounds for every part above ``target``.
 
     The ``m`` parts above target (at most ``W // 2``), heaviest first, meet the
@@ -217,6 +217,7 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     parts; two rounds in a row without a swap end it. With ``max_items`` a
     round searches at most that many partner items (fewer partners, then only
     the heaviest parts); ``stop_at`` is a ``time.perf_counter()`` deadline.
+    Rounds stop once fewer than ``min_heavy`` parts are above ``target``.
 
     Returns:
         The number of swaps made.
@@ -228,7 +229,7 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     for rnd in range(max_rounds):
         order = order_floats(loads)
         m = min(int(np.count_nonzero(loads > target)), w // 2)
-        if m == 0 or idle == 2 or (stop_at is not None and time.perf_counter() >= stop_at):
+        if m < max(1, min_heavy) or idle == 2 or (stop_at is not None and time.perf_counter() >= stop_at):
             break
         if max_items is not None:
             m = max(1, min(m, max_items // b))
