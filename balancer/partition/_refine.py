@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from balancer._limits import PACKED_KEY_LIMIT
+from balancer.partition._polish_all import fits, polish_all
 
 __all__ = ["order_floats", "polish", "polish_pairs", "sort_order", "sort_values", "swap_rounds"]
 
@@ -111,15 +112,21 @@ def polish(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
     # with small fillers can still trade down to); all parts when that is
     # cheap or when those had no swap.
     few = w - 1 > 3 * _PARTNERS and (w - 1) * b > _BUDGET
+    budget = max_items if max_items is not None else -1
+    if not few and fits(vals, loads):
+        return polish_all(vals, rows, loads, target, max_steps, budget, stop_at)
     full = not few
     # Owners of the 2K smallest items only (scattering all N owners costs more
     # than a whole polish at N = 262,144).
     small = min(2 * _PARTNERS, rows.size)
     owner = np.zeros(small, np.int64)
     if few:
-        r, c = np.nonzero(rows < small)
-        owner[rows[r, c]] = r
-    budget = max_items if max_items is not None else -1
+        # Only rows whose first (smallest) position is below `small` hold one:
+        # scanning those few instead of all N positions saves ~0.7 ms at N = 262,144.
+        hold = np.flatnonzero(rows[:, 0] < small)
+        sub = rows[hold]
+        r, c = np.nonzero(sub < small)
+        owner[sub[r, c]] = hold[r]
     sorted_at = -_REORDER
     order = np.arange(w)
     while steps < max_steps:
@@ -201,7 +208,7 @@ def _search_rows(keys: np.ndarray, queries: np.ndarray, span: int | None = None)
 
 def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                 max_rounds: int, partners: int = 8, max_items: int | None = None,
-                stop_at: float | None = None) -> int:
+                stop_at: float | None = None, min_heavy: int = 1) -> int:
     """Parallel swap rounds for every part above ``target``.
 
     The ``m`` parts above target (at most ``W // 2``), heaviest first, meet the
@@ -214,6 +221,7 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     parts; two rounds in a row without a swap end it. With ``max_items`` a
     round searches at most that many partner items (fewer partners, then only
     the heaviest parts); ``stop_at`` is a ``time.perf_counter()`` deadline.
+    Rounds stop once fewer than ``min_heavy`` parts are above ``target``.
 
     Returns:
         The number of swaps made.
@@ -225,7 +233,7 @@ def swap_rounds(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: f
     for rnd in range(max_rounds):
         order = order_floats(loads)
         m = min(int(np.count_nonzero(loads > target)), w // 2)
-        if m == 0 or idle == 2 or (stop_at is not None and time.perf_counter() >= stop_at):
+        if m < max(1, min_heavy) or idle == 2 or (stop_at is not None and time.perf_counter() >= stop_at):
             break
         if max_items is not None:
             m = max(1, min(m, max_items // b))
