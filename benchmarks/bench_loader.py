@@ -26,7 +26,6 @@ prints a table and appends JSON lines (environment first) to ``--json-out``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -35,15 +34,16 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _env, also when loaded by path
 
 import train_hstu  # noqa: E402
+from _env import library_versions  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -61,12 +61,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 def environment() -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False, cwd=ROOT).stdout.strip()
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
-    for name in ("torchrec", "fbgemm_gpu"):
-        try:
-            versions[name] = importlib.import_module(name).__version__
-        except (ImportError, AttributeError):
-            versions[name] = "n/a"
+    versions = library_versions()
     return dict(kind="environment", machine=platform.machine(), platform=platform.platform(),
                 cpu_count=os.cpu_count(), world=dist.get_world_size(), backend="gloo (CPU)",
                 omp_num_threads=os.environ.get("OMP_NUM_THREADS"), versions=versions, commit=commit)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import platform
@@ -39,6 +38,8 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _env import library_versions  # noqa: E402
 
 from balancer._layout import wire_layout  # noqa: E402
 from balancer._plan_layout import sample_bytes  # noqa: E402
@@ -175,12 +176,7 @@ def environment() -> dict[str, Any]:
         commit += "-dirty" if dirty else ""
     except OSError:
         commit = ""
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
-    for name in ("torchrec", "fbgemm_gpu"):
-        try:
-            versions[name] = importlib.import_module(name).__version__
-        except (ImportError, AttributeError):
-            versions[name] = "n/a"
+    versions = library_versions()
     return dict(kind="environment", machine=platform.machine(), processor=platform.processor(),
                 platform=platform.platform(), cpu_count=os.cpu_count(), backend="gloo (CPU)",
                 versions=versions, commit=commit, partition="balancer.partition.balanced_partition + localize")
