@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from balancer import TransformerCost
 from balancer.dispatch import DispatchPlan, plan_dispatch
 from balancer.partition import lower_bound
 from tests.llm_reference import (
@@ -19,16 +18,7 @@ from tests.llm_reference import (
     verl_dispatch,
     verl_workload,
 )
-
-COST = TransformerCost(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
-                       num_kv_heads=2, vocab_size=1000)
-
-
-def _lengths(dist: str, n: int, seed: int, top: int = 4096) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if dist == "zipf":
-        return np.minimum(rng.zipf(1.2, n), top).astype(np.int64)
-    return np.clip(np.rint(rng.lognormal(6.0, 1.0, n)), 1, top).astype(np.int64)
+from tests.test_microbatch import COST, _lengths  # the same cost model and length samplers
 
 
 def _check(plan: DispatchPlan, lengths: np.ndarray, w: int, *, equal: bool = True,
