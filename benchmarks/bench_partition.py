@@ -362,8 +362,8 @@ def locality(cases: list[tuple[int, int]], seeds: int, emit: Callable[[dict[str,
 def load_before(commit: str) -> Any:
     """``balancer.partition`` as of ``commit``, importable next to the current one.
 
-    The partition modules of that commit are written to a temp dir twice: as
-    package ``balancer_before`` (imports rewritten) for in-process calls, and
+    The modules of that commit are written to a temp dir as package
+    ``balancer_before`` (imports rewritten) for in-process calls; the dir goes
     on ``PYTHONPATH`` so that its ``PartitionWorker`` child runs the old code.
     """
     import importlib
@@ -372,18 +372,23 @@ def load_before(commit: str) -> Any:
     import tempfile
 
     repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    names = subprocess.run(["git", "-C", repo, "ls-tree", "--name-only", commit, "balancer/"],
+    names = subprocess.run(["git", "-C", repo, "ls-tree", "-r", "--name-only", commit, "balancer/"],
                            capture_output=True, text=True, check=True).stdout.split()
     tmp = tempfile.mkdtemp(prefix="balancer_before_")
     pkg = os.path.join(tmp, "balancer_before")
-    os.makedirs(pkg)
-    open(os.path.join(pkg, "__init__.py"), "w").close()  # noqa: SIM115
+    # Every module of the commit (the flat `partition.py` + `_partition_*.py`
+    # layout and the later `partition/` subpackage alike), with an empty
+    # top-level `__init__` so that importing the partitioner pulls in no torch.
     for name in names:
-        if re.fullmatch(r"balancer/(partition|_partition_\w+)\.py", name):
-            src = subprocess.run(["git", "-C", repo, "show", f"{commit}:{name}"],
-                                 capture_output=True, text=True, check=True).stdout
-            with open(os.path.join(pkg, os.path.basename(name)), "w") as f:
-                f.write(re.sub(r"\bbalancer\.", "balancer_before.", src))
+        if not name.endswith(".py"):
+            continue
+        rel = os.path.relpath(name, "balancer")
+        dst = os.path.join(pkg, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        src = "" if rel == "__init__.py" else subprocess.run(
+            ["git", "-C", repo, "show", f"{commit}:{name}"], capture_output=True, text=True, check=True).stdout
+        with open(dst, "w") as f:
+            f.write(re.sub(r"\bbalancer\.", "balancer_before.", src))
     sys.path.insert(0, tmp)
     os.environ["PYTHONPATH"] = os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])
     return importlib.import_module("balancer_before.partition")

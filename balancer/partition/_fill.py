@@ -36,7 +36,8 @@ and only items within a factor 2 of the largest remaining one) at once:
 
 A step costs ~30 numpy calls on the open parts plus a few passes over the
 items it deals, so a partition costs ``O(B / rows_per_step)`` steps (measured:
-~25-75 steps at 8192x32).
+22-50 steps at 8192x32). Once fewer than half the parts are open a step deals
+at least ``1 / _TAIL_STEPS`` of the remaining items (see ``_TAIL_STEPS``).
 
 When no item is left above 0 the remaining slots are filled with the zeros in
 order. Everything is deterministic: projections are sorted with tie-free
@@ -53,6 +54,12 @@ __all__ = ["fill"]
 
 _BAND = 0.5  # a step deals only items >= _BAND * the largest remaining one
 _FEW = 64  # _deal: rounds over more parts than this go one by one
+# Once fewer than half the parts are open, the open ones are those that took a
+# huge item early and wait for the smallest items; a step there deals at least
+# 1/_TAIL_STEPS of what remains instead of one row of the open parts (8192x32
+# lognormal: ~50 tail steps of ~300 items -> ~15, fill 17 -> 14 ms, quality
+# unchanged; applied from the start it costs uniform inputs 2x in quality).
+_TAIL_STEPS = 8
 
 
 def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
@@ -92,8 +99,10 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
             break
         parts = ids.size
         thr = int(np.ceil(_BAND * float(x0))) if is_int else _BAND * float(x0)
-        k = min(rows_per_step * parts, pos - int(np.searchsorted(vals[:pos], thr, side="left")))
-        k = max(k, 1)
+        k = rows_per_step * parts
+        if 2 * parts < w:
+            k = max(k, -(-pos // _TAIL_STEPS))
+        k = max(1, min(k, pos - int(np.searchsorted(vals[:pos], thr, side="left"))))
         rest = pos - k
         mu = float(prefix[rest]) / rest if rest else 0.0
         e = float(prefix[pos] - prefix[rest]) / k - mu  # >= 0: the step deals the largest items
@@ -152,8 +161,13 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         # every row ends up ascending without a sort.
         base = ids[:m] * cap + (slots[:m] - 1)
         block = base[None, :] - np.arange(width)[:, None]  # [width, m], round-major
-        flat[block.ravel()] = np.arange(pos - 1, pos - 1 - width * m, -1)
-        load[:m] += vals[pos - width * m : pos][::-1].reshape(width, m).sum(axis=0)
+        src = np.arange(pos - 1, pos - 1 - width * m, -1).reshape(width, m)
+        # Rounds alternate direction (lightest first, then heaviest first):
+        # the same order every round hands the lightest part the largest
+        # item of each (8192x32 uniform at 2 rows a step: 1.0e-4 -> 5e-5).
+        src[1::2] = src[1::2, ::-1]
+        flat[block.ravel()] = src.ravel()
+        load[:m] += vals[src].sum(axis=0)
         slots[:m] -= width
         pos -= width * m
         total -= width * m
