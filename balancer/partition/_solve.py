@@ -9,7 +9,8 @@
    (cardinality-aware, ``O(B / rows_per_step)`` numpy steps). If the start
    misses the target and the input is small, equal-size Karmarkar-Karp is
    tried too (it starts ~10x closer on smooth inputs);
-4. swap refinement under a *work budget*: parallel rounds, single best swaps
+4. for ``B <= 16``, column re-matching (:mod:`balancer.partition._rematch`);
+5. swap refinement under a *work budget*: parallel rounds, single best swaps
    for the heaviest part, two-for-two swaps for few parts. Every swap keeps
    the item counts and never raises the max, so stopping early is always safe.
 
@@ -31,6 +32,7 @@ from balancer.partition._fill import fill
 from balancer.partition._kk import kk_equal
 from balancer.partition._lpt import lpt
 from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
+from balancer.partition._rematch import rematch_columns
 
 __all__ = ["Solved", "solve"]
 
@@ -55,6 +57,12 @@ _LARGE = 1 << 14
 # swap) is 2-4x cheaper per swap (8x128 lognormal: 1.5 -> 1.0 ms, 16x64
 # lognormal: 2.7 -> 1.8 ms; no config's quality worse).
 _ROUND_MIN_HEAVY = (4, 1)
+# Few items per part: column re-matching (``_rematch``) before the swaps, at most
+# 8 cycles over the columns, _REMATCH_MOVES moves, and _REMATCH_ITEMS items in all
+# (a move costs two sorts of W: 16 moves at W = 16,384, ~0.5 ms each)
+_REMATCH_MAX_B = 16
+_REMATCH_MOVES = 64
+_REMATCH_ITEMS = 1 << 18
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 
@@ -116,6 +124,10 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     """Swap refinement of ``rows``/``loads`` in place, under the work budget."""
     w, b = rows.shape
     large = int(v.size > _LARGE)
+    if b <= _REMATCH_MAX_B:
+        rematch_columns(v, rows, loads, target, min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w)), stop_at)
+        if loads.max() <= target or _late(stop_at):
+            return
     swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
                 stop_at, _ROUND_MIN_HEAVY[large])
     if loads.max() > target and not _late(stop_at):

@@ -1,0 +1,94 @@
+"""Column re-matching: a global move for few items per part (``B <= 16``).
+
+Swaps trade items between two parts. With few items per part the heaviest
+part has few swaps to choose from, and a swap that lowers it usually raises a
+partner close to the max: 256x4 uniform ends 5e-3 above the bound after 128
+single swaps. This move changes every part at once:
+
+1. take column ``k`` of ``rows`` (one item of every part; the ``k``-th
+   smallest on entry, rows being sorted) out of every part; what stays is the
+   *remainder* ``loads - vals[col]``;
+2. hand the ``W`` column items back, the largest to the part with the
+   smallest remainder, the second largest to the second smallest, and so on.
+
+For fixed remainders this pairing minimises the max of ``remainder + item``
+(an exchange argument: if a larger remainder held a larger item, swapping the
+two items lowers the larger sum and raises the other to at most the old one),
+so the move never raises the max load; it is kept only when it lowers it.
+Columns are tried in turn until ``_IDLE_MOVES`` in a row (or a whole cycle of
+``B``) bring no gain or the caller's move budget is spent. A move is ~10 numpy
+calls on ``W`` items (two sorts of ``W``: ~0.7 ms at W = 16,384).
+
+Measured (``partition_rows`` before and after, side by side, 2-4 seeds):
+256x4 uniform 5e-3 -> 2e-3 above the bound in 6.4 -> 1.9 ms; 128x8 uniform
+3e-4 -> 2e-4 in 3.2 -> 1.9 ms; 8192x8 uniform 4.4e-3 -> 3.2e-4 in 10 -> 18 ms;
+16384x16 uniform 4.5e-4 -> 9.2e-5 in 20 -> 31 ms; lognormal, Zipf and padded
+inputs unchanged in quality (their max is set by a few large items, which
+swaps handle). From ``B = 32`` on the swaps reach ~1e-5 alone and the moves
+only cost time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from balancer.partition._refine import order_floats
+
+__all__ = ["rematch_columns"]
+
+# Stop after this many moves in a row that do not lower the max (or a whole cycle
+# of B): where the max is pinned (Zipf: many parts hold the same clipped items)
+# no column helps, and at W = 16,384 each try costs ~0.5 ms.
+_IDLE_MOVES = 4
+
+
+def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
+                    max_moves: int, stop_at: float | None = None) -> int:
+    """Re-match columns of ``rows`` while the max load is above ``target``.
+
+    Args:
+        vals: [N] workloads sorted ascending (int64 or float64).
+        rows: [W, B] int64 sorted positions per part, each row ascending;
+            updated in place (each row ascending again on return).
+        loads: [W] part loads ``vals[rows].sum(1)``; updated in place.
+        target: stop once the max load is ``<= target``.
+        max_moves: moves tried at most (kept or not).
+        stop_at: optional ``time.perf_counter()`` deadline, checked between moves.
+
+    Returns:
+        The number of moves tried.
+    """
+    b = rows.shape[1]
+    cur = loads.max()
+    idle = 0  # moves in a row that did not lower the max
+    tried = kept = 0
+    while tried < max_moves and cur > target and idle < min(b, _IDLE_MOVES):
+        if stop_at is not None and time.perf_counter() >= stop_at:
+            break
+        k = tried % b
+        tried += 1
+        col = rows[:, k]
+        rest = loads - vals[col]
+        # Positions are value-ascending, so sorting them sorts the items;
+        # order_floats breaks ties by part index, the same on every machine.
+        new = np.empty_like(col)
+        new[order_floats(rest)] = np.sort(col)[::-1]
+        new_loads = rest + vals[new]
+        top = new_loads.max()
+        if top < cur:
+            # Rows are re-sorted once at the end: which item of a part sits in
+            # which column only decides the grouping of later moves (sorting
+            # after every move gave the same quality on the benchmark shapes
+            # at up to 1.4x the time).
+            rows[:, k] = new
+            loads[:] = new_loads
+            cur = top
+            idle = 0
+            kept += 1
+        else:
+            idle += 1
+    if kept:
+        rows.sort(axis=1)
+    return tried
