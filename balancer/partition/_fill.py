@@ -162,12 +162,15 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         base = ids[:m] * cap + (slots[:m] - 1)
         block = base[None, :] - np.arange(width)[:, None]  # [width, m], round-major
         src = np.arange(pos - 1, pos - 1 - width * m, -1).reshape(width, m)
+        got = vals[pos - width * m : pos][::-1].reshape(width, m)  # views, no gather
         # Rounds alternate direction (lightest first, then heaviest first):
         # the same order every round hands the lightest part the largest
         # item of each (8192x32 uniform at 2 rows a step: 1.0e-4 -> 5e-5).
         src[1::2] = src[1::2, ::-1]
         flat[block.ravel()] = src.ravel()
-        load[:m] += vals[src].sum(axis=0)
+        load[:m] += got[0::2].sum(axis=0)
+        if width > 1:
+            load[:m] += got[1::2, ::-1].sum(axis=0)
         slots[:m] -= width
         pos -= width * m
         total -= width * m
