@@ -60,6 +60,10 @@ _FEW = 64  # _deal: rounds over more parts than this go one by one
 # lognormal: ~50 tail steps of ~300 items -> ~15, fill 17 -> 14 ms, quality
 # unchanged; applied from the start it costs uniform inputs 2x in quality).
 _TAIL_STEPS = 8
+# Dense rounds alternate direction up to this B (where _solve deals 2 rows a
+# step). Above it the effect is mixed (2048x128 uniform 2.8e-6 -> 5.5e-6,
+# lognormal 2.8e-5 -> 1.5e-5 above the bound) for 3-8 % more time: left as is.
+_ALTERNATE_MAX_B = 32
 
 
 def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
@@ -163,14 +167,16 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         block = base[None, :] - np.arange(width)[:, None]  # [width, m], round-major
         src = np.arange(pos - 1, pos - 1 - width * m, -1).reshape(width, m)
         got = vals[pos - width * m : pos][::-1].reshape(width, m)  # views, no gather
-        # Rounds alternate direction (lightest first, then heaviest first):
-        # the same order every round hands the lightest part the largest
-        # item of each (8192x32 uniform at 2 rows a step: 1.0e-4 -> 5e-5).
-        src[1::2] = src[1::2, ::-1]
+        if width > 1 and cap <= _ALTERNATE_MAX_B:
+            # Rounds alternate direction (lightest first, then heaviest
+            # first): the same order every round hands the lightest part the
+            # largest item of each (8192x32 uniform at 2 rows a step: 1.0e-4
+            # -> 5e-5 above the bound).
+            src[1::2] = src[1::2, ::-1]
+            load[:m] += got[0::2].sum(axis=0) + got[1::2, ::-1].sum(axis=0)
+        else:
+            load[:m] += got.sum(axis=0)
         flat[block.ravel()] = src.ravel()
-        load[:m] += got[0::2].sum(axis=0)
-        if width > 1:
-            load[:m] += got[1::2, ::-1].sum(axis=0)
         slots[:m] -= width
         pos -= width * m
         total -= width * m
