@@ -121,7 +121,8 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
 
 def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | float,
            stop_at: float | None = None) -> None:
-    """Swap refinement of ``rows``/``loads`` in place, under the work budget."""
+    """Column re-matching (``B <= 16``), then swap refinement, of ``rows``/``loads`` in place,
+    under the work budget."""
     w, b = rows.shape
     large = int(v.size > _LARGE)
     if b <= _REMATCH_MAX_B:
