@@ -57,17 +57,14 @@ _FEW = 64  # _deal: rounds over more parts than this go one by one
 # Once fewer than half the parts are open, the open ones are those that took a
 # huge item early and wait for the smallest items; a step there deals at least
 # 1/_TAIL_STEPS of what remains instead of one row of the open parts (8192x32
-# lognormal: ~50 tail steps of ~300 items -> ~15, fill 17 -> 14 ms, quality
-# unchanged; applied from the start it costs uniform inputs 2x in quality).
+# lognormal, measured on fill alone while tuning: ~50 tail steps of ~300 items
+# -> ~15, fill 17 -> 14 ms, quality unchanged; applied from the start it costs
+# uniform inputs 2x in quality).
 _TAIL_STEPS = 8
-# Dense rounds alternate direction up to this B (where _solve deals 2 rows a
-# step). Above it the effect is mixed (2048x128 uniform 2.8e-6 -> 5.5e-6,
-# lognormal 2.8e-5 -> 1.5e-5 above the bound) for 3-8 % more time: left as is.
-_ALTERNATE_MAX_B = 32
 
 
 def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
-         rows_per_step: int) -> tuple[np.ndarray, np.ndarray]:
+         rows_per_step: int, alternate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Projected-load greedy on ascending ``vals``; see the module docstring.
 
     Args:
@@ -77,6 +74,9 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
         prefix: [N + 1] prefix sums of ``vals`` (``prefix[i] = sum(vals[:i])``).
         rows_per_step: about this many rows of ``W`` items are dealt per step
             (1 follows the one-item rule closely; more is faster and coarser).
+        alternate: full rounds within a step alternate direction (lightest
+            part first, then heaviest first) instead of always serving the
+            lightest first, which hands it the largest item of every round.
 
     Returns:
         ``(rows, loads)``: [W, N / W] int64 sorted positions per part (each row
@@ -135,7 +135,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
             owed[0] = max(owed[0], 1)
         # owed >= 1 on a prefix of the projection order (0 only where proj == level).
         owed = owed[: int(np.count_nonzero(owed))]
-        pos = _deal(vals, flat, cap, ids, load, slots, owed, pos)
+        pos = _deal(vals, flat, cap, ids, load, slots, owed, pos, alternate)
         if not slots[: owed.size].all():
             keep = slots > 0
             loads[ids[~keep]] = load[~keep]
@@ -146,7 +146,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
 
 
 def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: np.ndarray,
-          slots: np.ndarray, owed: np.ndarray, pos: int) -> int:
+          slots: np.ndarray, owed: np.ndarray, pos: int, alternate: bool = False) -> int:
     """Deal ``owed[j] >= 1`` items to part ``ids[j]`` for ``j < owed.size``, largest first.
 
     Round ``r`` serves every part still owed an item, in the order of ``ids``
@@ -167,11 +167,7 @@ def _deal(vals: np.ndarray, flat: np.ndarray, cap: int, ids: np.ndarray, load: n
         block = base[None, :] - np.arange(width)[:, None]  # [width, m], round-major
         src = np.arange(pos - 1, pos - 1 - width * m, -1).reshape(width, m)
         got = vals[pos - width * m : pos][::-1].reshape(width, m)  # views, no gather
-        if width > 1 and cap <= _ALTERNATE_MAX_B:
-            # Rounds alternate direction (lightest first, then heaviest
-            # first): the same order every round hands the lightest part the
-            # largest item of each (8192x32 uniform at 2 rows a step: 1.0e-4
-            # -> 5e-5 above the bound).
+        if width > 1 and alternate:
             src[1::2] = src[1::2, ::-1]
             load[:m] += got[0::2].sum(axis=0) + got[1::2, ::-1].sum(axis=0)
         else:

@@ -19,13 +19,14 @@ Columns are tried in turn until ``_IDLE_MOVES`` in a row (or a whole cycle of
 ``B``) bring no gain or the caller's move budget is spent. A move is ~10 numpy
 calls on ``W`` items (two sorts of ``W``: ~0.7 ms at W = 16,384).
 
-Measured (``partition_rows`` before and after, side by side, 2-4 seeds):
-256x4 uniform 5e-3 -> 2e-3 above the bound in 6.4 -> 1.9 ms; 128x8 uniform
-3e-4 -> 2e-4 in 3.2 -> 1.9 ms; 8192x8 uniform 4.4e-3 -> 3.2e-4 in 10 -> 18 ms;
-16384x16 uniform 4.5e-4 -> 9.2e-5 in 20 -> 31 ms; lognormal, Zipf and padded
-inputs unchanged in quality (their max is set by a few large items, which
-swaps handle). From ``B = 32`` on the swaps reach ~1e-5 alone and the moves
-only cost time.
+Measured with ``benchmarks/bench_partition.py --only scale --before e2eddbf``
+(``docs/benchmarks_partition.md``, "Few items per part"; max/bound - 1,
+median of 2 seeds, and ``balanced_partition`` ms): 256x4 uniform 5.4e-3 ->
+2.0e-3 in 5.6 -> 2.1 ms; 128x8 uniform 3.3e-4 -> 2.1e-4 in 3.2 -> 2.0 ms;
+8192x8 uniform 4.3e-3 -> 3.1e-4 in 12 -> 20 ms; 16384x16 uniform 4.5e-4 ->
+9.5e-5 in 49 -> 55 ms; lognormal, Zipf and padded inputs unchanged or better
+in quality (their max is set by a few large items, which swaps handle). From
+``B = 32`` on the swaps reach ~1e-5 alone and the moves would only cost time.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["rematch_columns"]
 
 # Stop after this many moves in a row that do not lower the max (or a whole cycle
 # of B): where the max is pinned (Zipf: many parts hold the same clipped items)
-# no column helps, and at W = 16,384 each try costs ~0.5 ms.
+# no column helps, and at W = 16,384 each try costs ~0.7 ms.
 _IDLE_MOVES = 4
 
 

@@ -39,10 +39,15 @@ __all__ = ["Solved", "solve"]
 _LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
 # fill deals ~B / _FILL_ROWS rows per step (~64 steps; ~32 from B = 256 on, where
-# the parts are few and the items many, so coarser steps lose nothing measurable),
-# and 2 rows a step up to B = 32 (the many-parts shapes: 8192x32 fill 14 -> 12 ms,
-# same quality; at B = 64 two rows cost lognormal 2x in quality)
+# the parts are few and the items many, so coarser steps lose nothing measurable)
 _FILL_ROWS = 64
+# ... and 2 rows a step up to B = _FILL_TWO_ROWS_MAX_B, its full rounds alternating
+# direction (the many-parts shapes; measured on fill alone while tuning: 8192x32
+# fill 14 -> 12 ms, same quality; without alternating 8192x32 uniform ends 1.0e-4
+# above the bound instead of 5e-5; two rows at B = 64 cost lognormal 2x in quality,
+# and alternating at B >= 128 was mixed: 2048x128 uniform 2.8e-6 -> 5.5e-6,
+# lognormal 2.8e-5 -> 1.5e-5, for 3-8 % more time)
+_FILL_TWO_ROWS_MAX_B = 32
 _ROUNDS = (8, 3)  # parallel swap rounds, N <= _LARGE and N > _LARGE
 # Work budget (partner items searched): per parallel round, and for the whole
 # single-swap polish. Large inputs get less: their start is already within
@@ -59,7 +64,7 @@ _LARGE = 1 << 14
 _ROUND_MIN_HEAVY = (4, 1)
 # Few items per part: column re-matching (``_rematch``) before the swaps, at most
 # 8 cycles over the columns, _REMATCH_MOVES moves, and _REMATCH_ITEMS items in all
-# (a move costs two sorts of W: 16 moves at W = 16,384, ~0.5 ms each)
+# (a move costs two sorts of W: 16 moves at W = 16,384, ~0.7 ms each)
 _REMATCH_MAX_B = 16
 _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
@@ -104,7 +109,10 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         rows = lpt(v, w)
         loads = v[rows].sum(axis=1)
     else:
-        rows, loads = fill(v, w, prefix, 2 if b <= 32 else b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2) or 1)
+        if b <= _FILL_TWO_ROWS_MAX_B:
+            rows, loads = fill(v, w, prefix, 2, alternate=True)
+        else:
+            rows, loads = fill(v, w, prefix, max(1, b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2)))
     if loads.max() > target and n <= _KK_MAX_ITEMS:
         # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK into
         # a long chain of single merges, visible in its first round.
