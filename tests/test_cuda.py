@@ -34,6 +34,7 @@ from balancer._runs import IndexBlob, plan_runs
 from balancer.shuffler import BatchShuffler
 from balancer.testing import run_workers
 from tests.test_exchange import expected, simulate
+from tests.test_host_syncs import _downstream
 from tests.test_shuffler import assert_identical, make_batch, rows, token_count
 
 pytestmark = pytest.mark.cuda
@@ -88,14 +89,6 @@ def gloo_transport_exempt() -> Iterator[None]:
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)
-
-
-def _downstream(batch: Any) -> None:
-    for kjt in batch.kjt_fields().values():
-        kjt.length_per_key()
-        kjt.offset_per_key()
-        kjt.offsets()
-        kjt.to_dict()
 
 
 # ------------------------------------------------------------- single GPU

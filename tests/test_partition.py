@@ -414,10 +414,12 @@ def test_lower_bound_free_sizes() -> None:
 # Bound-relative thresholds on seeded heavy-tailed instances. Calibrated on the
 # current pipeline with margin; switching the swap refinement off makes every
 # group below fail (see docs/benchmarks_partition.md, "Quality guard").
-def _heavy(dist: str, w: int, b: int, seed: int) -> np.ndarray:
+def _seeded(dist: str, w: int, b: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(1000 + seed)
     if dist == "zipf":
         lens = np.minimum(rng.zipf(1.2, w * b), 4096).astype(np.int64)
+    elif dist == "uniform":
+        lens = rng.integers(1, 4097, w * b)
     else:
         lens = np.clip(np.rint(rng.lognormal(6.0, 1.0, w * b)), 1, 8192).astype(np.int64)
     return lens * lens + 1024 * lens
@@ -432,7 +434,7 @@ GUARD = [("lognormal", 8, 64), ("lognormal", 64, 32), ("lognormal", 256, 32),
 def test_quality_within_2e5_of_bound(dist: str, w: int, b: int) -> None:
     gaps = []
     for seed in range(4):
-        x = _heavy(dist, w, b, seed)
+        x = _seeded(dist, w, b, seed)
         gaps.append(_max_load(x, balanced_partition(x, w)) / lower_bound(x, w) - 1)
     assert max(gaps) <= 2e-5, f"{dist} {w}x{b}: max/bound - 1 = {gaps}"
 
@@ -485,7 +487,7 @@ def test_grouped_bound_covers_every_k() -> None:
 
 def test_large_inputs_are_deterministic() -> None:
     # N > 2048 takes the projected-load start; same input, same output.
-    x = _heavy("lognormal", 128, 32, 0)
+    x = _seeded("lognormal", 128, 32, 0)
     first = balanced_partition(x, 128)
     assert balanced_partition(x.tolist(), 128) == first
     assert balanced_partition(torch.from_numpy(x), 128) == first
@@ -514,18 +516,13 @@ def test_rematch_move_is_the_best_matching_of_its_column() -> None:
         assert (np.diff(rows, axis=1) > 0).all(), "rows ascending again"
 
 
-def _uniform(w: int, b: int, seed: int) -> np.ndarray:
-    lens = np.random.default_rng(1000 + seed).integers(1, 4097, w * b)
-    return lens * lens + 1024 * lens
-
-
 # Few items per part, many parts: single swaps alone end 3-9e-3 (256x4) and
 # ~4e-3 (8192x8) above the bound; column re-matching brings both below these.
 @pytest.mark.parametrize("w,b,limit", [(256, 4, 3e-3), (1024, 8, 3e-4), (8192, 8, 6e-4)])
 def test_quality_with_few_items_per_part(w: int, b: int, limit: float) -> None:
     gaps = []
     for seed in range(4):
-        x = _uniform(w, b, seed)
+        x = _seeded("uniform", w, b, seed)
         parts = balanced_partition(x, w)
         _check_parts(parts, x.size, w)
         gaps.append(_max_load(x, parts) / lower_bound(x, w) - 1)
@@ -534,7 +531,7 @@ def test_quality_with_few_items_per_part(w: int, b: int, limit: float) -> None:
 
 # ------------------------------------------------------------ deadline
 def test_deadline_returns_a_valid_partition_no_worse_than_the_start() -> None:
-    x = _heavy("lognormal", 64, 64, 1)
+    x = _seeded("lognormal", 64, 64, 1)
     full = balanced_partition(x, 64, rtol=0.0)
     rushed = balanced_partition(x, 64, rtol=0.0, deadline_ms=1e-6)  # refinement skipped
     _check_parts(rushed, x.size, 64)
