@@ -258,10 +258,25 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
     Value-level checks (values vs. ``sum(lengths)``, negative lengths) happen
     where the lengths are on the host.
     """
+    out = _token_problems(batch, layout) if layout.is_tokens else _kjt_problems(batch, layout)
+    for s in layout.sections:
+        if s.itemsize not in OPAQUE:
+            out.append(f"{_section_name(s)}: {s.dtype} has {s.itemsize}-byte elements, expected one of "
+                       f"{sorted(OPAQUE)} bytes")
+    return out
+
+
+def _section_name(s: Section) -> str:
+    """How a section is named in errors: ``tokens['ids']``, ``feats.values``, ``dense``."""
+    if s.part in ("tokens", "samples"):
+        return f"{s.part}[{s.field!r}]"
+    return s.field if s.part == "dense" else f"{s.field}.{s.part}"
+
+
+def _kjt_problems(batch: Any, layout: WireLayout) -> list[str]:
+    """Shape problems of a batch of KJT and dense fields."""
     b = layout.batch_size
     out = []
-    if layout.is_tokens:
-        return _token_problems(batch, layout)
     kjt_fields, dense_fields = _fields(batch)
     for spec in layout.kjts:
         kjt = kjt_fields[spec.name]
@@ -275,15 +290,11 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
         t = dense_fields[d.name]
         if t.dim() == 0 or t.shape[0] != b:
             out.append(f"{d.name}: shape {tuple(t.shape)}, expected [batch_size={b}, ...]")
-    for s in layout.sections:
-        if s.itemsize not in OPAQUE:
-            out.append(f"{s.field}{'' if s.part == 'dense' else '.' + s.part}: {s.dtype} has "
-                       f"{s.itemsize}-byte elements, expected one of {sorted(OPAQUE)} bytes")
     return out
 
 
 def _token_problems(batch: TokenBatch, layout: WireLayout) -> list[str]:
-    """A ``TokenBatch`` re-checked at shuffle time (its fields may have been replaced)."""
+    """Shape problems of a ``TokenBatch`` (its fields may have been replaced since it was built)."""
     b, out = layout.batch_size, []
     if tuple(batch.seq_lens.shape) != (b,):
         out.append(f"seq_lens: shape {tuple(batch.seq_lens.shape)}, expected [batch_size={b}]")
@@ -293,10 +304,6 @@ def _token_problems(batch: TokenBatch, layout: WireLayout) -> list[str]:
     for name, t in batch.samples.items():
         if t.dim() == 0 or t.shape[0] != b:
             out.append(f"samples[{name!r}]: shape {tuple(t.shape)}, expected [batch_size={b}, ...]")
-    for s in layout.sections:
-        if s.itemsize not in OPAQUE:
-            out.append(f"{s.part}[{s.field!r}]: {s.dtype} has {s.itemsize}-byte elements, expected one of "
-                       f"{sorted(OPAQUE)} bytes")
     return out
 
 

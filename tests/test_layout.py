@@ -9,6 +9,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._layout import layout_problems, wire_layout
 from balancer.batch import BaseBatch
+from balancer.tokens import TokenBatch
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,3 +55,15 @@ def test_layout_problems_are_read_from_the_tensors_now() -> None:
     batch.labels = torch.zeros(4, dtype=torch.complex128)
     assert layout_problems(batch, wire_layout(batch)) == [
         "labels: torch.complex128 has 16-byte elements, expected one of [1, 2, 4, 8] bytes"]
+
+
+def test_token_layout_problems_name_the_field() -> None:
+    lens = torch.tensor([3, 1, 0, 2])
+    batch = TokenBatch(batch_size=4, seq_lens=lens, tokens={"ids": torch.zeros(4, 3, dtype=torch.int64)},
+                       samples={"r": torch.zeros(4)})
+    assert layout_problems(batch, wire_layout(batch)) == []
+    batch.samples["r"] = torch.zeros(4, dtype=torch.complex128)
+    batch.tokens["ids"] = torch.zeros(5, 3, dtype=torch.int64)
+    assert layout_problems(batch, wire_layout(batch)) == [
+        "tokens: leading shapes [(5, 3)], expected one [4, L]",
+        "samples['r']: torch.complex128 has 16-byte elements, expected one of [1, 2, 4, 8] bytes"]
