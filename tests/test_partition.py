@@ -23,6 +23,7 @@ from balancer.partition import (
     lower_bound,
     partition_stats,
 )
+from balancer.partition._tokens import deal_by_room
 from tests.reference import greedy
 
 
@@ -560,6 +561,28 @@ def test_token_cap_is_honoured(w: int) -> None:
         assert _max_load(x, parts) >= lower_bound(x, w)
         explicit = balanced_partition(x, w, tokens=lens, max_tokens=cap)
         assert explicit == parts
+
+
+@pytest.mark.parametrize("seed", [4, 18])
+def test_tight_token_cap_reaches_the_compute_bound(seed: int) -> None:
+    # Tokens <= 1.01 x mean and compute within 1e-4 of its bound at once (seed 4:
+    # benchmarks/tokens_mip.py's solver finds one too). From the compute-first
+    # start alone the search stops 1.5-2e-3 above the bound on both seeds.
+    x, lens = _zipf_tokens(8, seed)
+    cap = 1.01 * lens.sum() / 8
+    parts = balanced_partition(x, 8, tokens=lens, max_tokens=cap)
+    _check_parts(parts, x.size, 8)
+    assert max(int(lens[p].sum()) for p in parts) <= cap
+    assert _max_load(x, parts) <= lower_bound(x, 8) * (1 + 1e-4)
+
+
+def test_deal_by_room_is_a_partition_into_equal_parts() -> None:
+    x, lens = _zipf_tokens(12, 3)
+    order = np.argsort(x, kind="stable")
+    rows = deal_by_room(x[order], lens[order], 12, 1.01 * lens.sum() / 12)
+    assert rows.shape == (12, 32)
+    assert np.array_equal(np.sort(rows.ravel()), np.arange(x.size))
+    assert (np.diff(rows, axis=1) > 0).all(), "rows ascending"
 
 
 def test_loose_token_cap_keeps_compute_quality() -> None:
