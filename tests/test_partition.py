@@ -565,9 +565,9 @@ def test_token_cap_is_honoured(w: int) -> None:
 
 @pytest.mark.parametrize("seed", [4, 18])
 def test_tight_token_cap_reaches_the_compute_bound(seed: int) -> None:
-    # Tokens <= 1.01 x mean and compute within 1e-4 of its bound at once (seed 4:
-    # benchmarks/tokens_mip.py's solver finds one too). From the compute-first
-    # start alone the search stops 1.5-2e-3 above the bound on both seeds.
+    # Tokens <= 1.01 x mean and compute within 1e-4 of its bound at once. From
+    # the compute-first start alone the search stops 1.5-2e-3 above the bound
+    # on both seeds; the second start (deal_by_room) reaches it.
     x, lens = _zipf_tokens(8, seed)
     cap = 1.01 * lens.sum() / 8
     parts = balanced_partition(x, 8, tokens=lens, max_tokens=cap)
