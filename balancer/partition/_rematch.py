@@ -62,6 +62,7 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
         The number of moves tried.
     """
     b = rows.shape[1]
+    narrow = vals.size <= np.iinfo(np.int32).max
     cur = loads.max()
     idle = 0  # moves in a row that did not lower the max
     tried = kept = 0
@@ -75,7 +76,8 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
         # Positions are value-ascending, so sorting them sorts the items;
         # order_floats breaks ties by part index, the same on every machine.
         new = np.empty_like(col)
-        new[order_floats(rest)] = np.sort(col)[::-1]
+        # Positions are < N: as int32 numpy's SIMD sort takes ~half the time.
+        new[order_floats(rest)] = np.sort(col.astype(np.int32) if narrow else col)[::-1]
         new_loads = rest + vals[new]
         top = new_loads.max()
         if top < cur:
