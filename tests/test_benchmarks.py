@@ -7,6 +7,7 @@ results obey what balancing guarantees (it never raises the max load).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,3 +77,73 @@ def test_bench_scale(tmp_path: Path) -> None:
     assert groups
     for r in groups:  # balancing over everyone is never worse than within groups, nor than nothing
         assert r["global"] <= min(r["static"], r["mixed"]) + 1e-6 and r["global"] <= r["none"], r
+
+
+def _tokens_mip() -> Any:
+    pytest.importorskip("scipy")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tokens_mip
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return tokens_mip
+
+
+def _capped_optimum(lens: np.ndarray, w: int, cap: float) -> int:
+    """Brute force: the least max compute (``L^2 + 256 L``) over equal-size partitions of ``lens``
+    into ``w`` parts, every part ``<= cap`` tokens (W = 2 or 3)."""
+    comp = lens * lens + 256 * lens
+    b = lens.size // w
+    best = None
+    idx = range(lens.size)
+    for first in itertools.combinations(idx, b):
+        rest = [i for i in idx if i not in first]
+        seconds = itertools.combinations(rest, b) if w == 3 else [tuple(rest)]
+        for second in seconds:
+            parts = [list(first), list(second)]
+            if w == 3:
+                parts.append([i for i in rest if i not in second])
+            if max(int(lens[p].sum()) for p in parts) <= cap:
+                top = max(int(comp[p].sum()) for p in parts)
+                best = top if best is None else min(best, top)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize(("w", "b", "seed"), [(2, 4, 0), (2, 5, 1), (3, 3, 1), (3, 3, 4)])
+def test_capped_bound_is_a_lower_bound_and_exact_when_all_integer(w: int, b: int, seed: int) -> None:
+    """tokens_mip.capped_bound against brute force on tiny instances: its relaxations
+    (only long lengths integer; only counts per band of lengths integer) never exceed
+    the capped optimum; with every length integer (int_from=0) it equals it. The cap is the least any partition meets,
+    on instances where it binds (the capped optimum lies above the uncapped one)."""
+    mip = _tokens_mip()
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 60, w * b) ** 2 // 8 + 1
+    comp = lens * lens + 256 * lens
+    free = _capped_optimum(lens, w, float("inf"))
+    cap = float(_tokens_floor(lens, w))
+    exact = _capped_optimum(lens, w, cap)
+    assert exact > free
+    for int_from, band in ((int(lens.max()), None), (int(np.median(lens)), None), (None, 16), (None, 64)):
+        bound, proven, _ = mip.capped_bound(lens, w, cap, int_from, band, 30.0)
+        assert proven and bound <= exact * (1 + 1e-9), (int_from, band, bound, exact)
+    bound, proven, _ = mip.capped_bound(lens, w, cap, 0, None, 30.0)
+    assert proven and abs(bound - exact) <= 1e-6 * exact, (bound, exact)
+    assert comp.sum() / w <= bound
+
+
+def _tokens_floor(lens: np.ndarray, w: int) -> int:
+    """The least max tokens over equal-size partitions (brute force)."""
+    b = lens.size // w
+    best = None
+    idx = range(lens.size)
+    for first in itertools.combinations(idx, b):
+        rest = [i for i in idx if i not in first]
+        seconds = itertools.combinations(rest, b) if w == 3 else [tuple(rest)]
+        for second in seconds:
+            third = [i for i in rest if i not in second]
+            top = max(int(lens[list(first)].sum()), int(lens[list(second)].sum()),
+                      int(lens[third].sum()) if third else 0)
+            best = top if best is None else min(best, top)
+    assert best is not None
+    return best
