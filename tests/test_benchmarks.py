@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,25 +90,30 @@ def _tokens_mip() -> Any:
     return tokens_mip
 
 
-def _capped_optimum(lens: np.ndarray, w: int, cap: float) -> int:
-    """Brute force: the least max compute (``L^2 + 256 L``) over equal-size partitions of ``lens``
-    into ``w`` parts, every part ``<= cap`` tokens (W = 2 or 3)."""
-    comp = lens * lens + 256 * lens
-    b = lens.size // w
-    best = None
-    idx = range(lens.size)
+def _partitions(n: int, w: int) -> Iterator[list[list[int]]]:
+    """Every split of ``range(n)`` into ``w`` ordered parts of ``n / w`` (W = 2 or 3)."""
+    b = n // w
+    idx = range(n)
     for first in itertools.combinations(idx, b):
         rest = [i for i in idx if i not in first]
-        seconds = itertools.combinations(rest, b) if w == 3 else [tuple(rest)]
-        for second in seconds:
+        for second in itertools.combinations(rest, b) if w == 3 else [tuple(rest)]:
             parts = [list(first), list(second)]
             if w == 3:
                 parts.append([i for i in rest if i not in second])
-            if max(int(lens[p].sum()) for p in parts) <= cap:
-                top = max(int(comp[p].sum()) for p in parts)
-                best = top if best is None else min(best, top)
-    assert best is not None
-    return best
+            yield parts
+
+
+def _capped_optimum(lens: np.ndarray, w: int, cap: float) -> int:
+    """Brute force: the least max compute (``L^2 + 256 L``) over equal-size partitions of ``lens``
+    into ``w`` parts, every part ``<= cap`` tokens."""
+    comp = lens * lens + 256 * lens
+    return min(max(int(comp[p].sum()) for p in parts) for parts in _partitions(lens.size, w)
+               if max(int(lens[p].sum()) for p in parts) <= cap)
+
+
+def _tokens_floor(lens: np.ndarray, w: int) -> int:
+    """The least max tokens over equal-size partitions (brute force)."""
+    return min(max(int(lens[p].sum()) for p in parts) for parts in _partitions(lens.size, w))
 
 
 @pytest.mark.parametrize(("w", "b", "seed"), [(2, 4, 0), (2, 5, 1), (3, 3, 1), (3, 3, 4)])
@@ -131,19 +137,3 @@ def test_capped_bound_is_a_lower_bound_and_exact_when_all_integer(w: int, b: int
     assert proven and abs(bound - exact) <= 1e-6 * exact, (bound, exact)
     assert comp.sum() / w <= bound
 
-
-def _tokens_floor(lens: np.ndarray, w: int) -> int:
-    """The least max tokens over equal-size partitions (brute force)."""
-    b = lens.size // w
-    best = None
-    idx = range(lens.size)
-    for first in itertools.combinations(idx, b):
-        rest = [i for i in idx if i not in first]
-        seconds = itertools.combinations(rest, b) if w == 3 else [tuple(rest)]
-        for second in seconds:
-            third = [i for i in rest if i not in second]
-            top = max(int(lens[list(first)].sum()), int(lens[list(second)].sum()),
-                      int(lens[third].sum()) if third else 0)
-            best = top if best is None else min(best, top)
-    assert best is not None
-    return best
