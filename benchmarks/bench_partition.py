@@ -514,6 +514,17 @@ def _plot_scaling(pts: dict[str, list[tuple[int, int, dict[str, float]]]], plot:
 
 
 # ----------------------------------------------------------------- 6. compute and memory
+TOKEN_B = 32  # samples per part in the compute-and-memory instances
+
+
+def token_instance(w: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Compute ``L^2 + 256 L`` (int64) and tokens ``L`` of Zipf(1.2) lengths <= 4096, ``w * TOKEN_B``
+    samples (also ``tokens_mip.py``'s instances)."""
+    rng = np.random.default_rng(seed)
+    lens = np.minimum(rng.zipf(1.2, w * TOKEN_B), 4096).astype(np.int64)
+    return lens * lens + 256 * lens, lens
+
+
 def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
            emit: Callable[[dict[str, Any]], None]) -> None:
     """Compute (``L^2 + 256 L``) balanced, tokens (``L``) per part capped at ``cap * mean``."""
@@ -526,9 +537,7 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
         for cap in caps:
             gaps, ratios, secs = [], [], []
             for seed in range(seeds):
-                rng = np.random.default_rng(seed)
-                lens = np.minimum(rng.zipf(1.2, w * 32), 4096).astype(np.int64)
-                x = lens * lens + 256 * lens
+                x, lens = token_instance(w, seed)
                 kw = {} if cap is None else {"tokens": lens, "max_tokens": cap * lens.sum() / w}
                 t = time.perf_counter()
                 parts = balanced_partition(x, w, **kw)
@@ -536,7 +545,7 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
                 gaps.append(max_load(x, parts) / lower_bound(x, w) - 1)
                 tok = np.array([lens[p].sum() for p in parts])
                 ratios.append(float(tok.max() / tok.mean()))
-            emit({"kind": "tokens", "W": w, "B": 32, "cap": cap, "gaps": gaps, "ratios": ratios,
+            emit({"kind": "tokens", "W": w, "B": TOKEN_B, "cap": cap, "gaps": gaps, "ratios": ratios,
                   "time_ms": 1e3 * statistics.median(secs)})
             print(f"| {w} | {'none' if cap is None else f'{cap:.2f} x mean'} | "
                   f"{statistics.median(gaps):.1e} \\| {max(gaps):.1e} | "

@@ -45,16 +45,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_partition import TOKEN_B, token_instance  # noqa: E402  (the same instances)
+
 from balancer.partition import balanced_partition, lower_bound  # noqa: E402
-
-B = 32
-
-
-def instance(w: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(compute, lengths) of the ``bench_partition`` token section's instance."""
-    rng = np.random.default_rng(seed)
-    lens = np.minimum(rng.zipf(1.2, w * B), 4096).astype(np.int64)
-    return lens * lens + 256 * lens, lens
 
 
 def _program(lens: np.ndarray, w: int, cap: float, int_from: int | None = None,
@@ -196,7 +189,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of HiGHS per exact program")
     args = ap.parse_args()
     w = args.w
-    print(f"W = {w}, B = {B}, token cap {args.cap:.2f} x mean; capped bound: the larger of lengths >= "
+    print(f"W = {w}, B = {TOKEN_B}, token cap {args.cap:.2f} x mean; capped bound: the larger of lengths >= "
           f"{args.int_from} integer and counts per {args.band} lengths integer, {args.bound_time:.0f} s each"
           + (f"; exact program {args.time_limit:.0f} s" if args.exact else "") + "\n")
     print("compute max / lower_bound - 1 unless said otherwise\n")
@@ -209,7 +202,7 @@ def main() -> None:
     print(head)
     print(rule)
     for seed in args.seeds:
-        x, lens = instance(w, seed)
+        x, lens = token_instance(w, seed)
         bound = lower_bound(x, w)
         cap = args.cap * float(lens.sum()) / w
         free = max(int(x[r].sum()) for r in balanced_partition(x, w)) / bound - 1
