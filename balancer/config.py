@@ -46,13 +46,19 @@ def check_timeout(owner: str, field: str, value: object) -> None:
         raise ValueError(f"{owner}: {field}={value!r}, expected a finite number of seconds > 0")
 
 
-def check_token_cap(owner: str, value: object) -> None:
-    """Raise ValueError unless ``value`` is None or a finite number >= 1 (a multiple of the mean)."""
+def check_token_cap(owner: str, value: object, *, default_partition: bool, needs: str, partition: object,
+                    capacity: object) -> None:
+    """Raise ValueError unless ``value`` is None, or a finite number >= 1 (a multiple of the
+    mean) with the default partition and ``capacity=None``; ``needs`` names that
+    partition in the message, ``partition`` the one configured."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < float("inf"):
         raise ValueError(f"{owner}: token_cap={value!r}, expected None or a finite number >= 1.0 "
                          "(the cap on tokens per rank as a multiple of the mean)")
+    if not default_partition or capacity is not None:
+        raise ValueError(f"{owner}: token_cap={value} needs {needs} and capacity=None, "
+                         f"got partition={partition!r}, capacity={capacity!r}")
 
 
 def identity(obj: Any) -> str:
@@ -178,9 +184,7 @@ class BalancerConfig:
         if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
                                           or self.capacity < 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")
-        check_token_cap(me, self.token_cap)
-        if self.token_cap is not None and (self.partition != "balanced" or self.capacity is not None):
-            raise ValueError(f"{me}: token_cap={self.token_cap} needs partition='balanced' and capacity=None, "
-                             f"got partition={self.partition!r}, capacity={self.capacity!r}")
+        check_token_cap(me, self.token_cap, default_partition=self.partition == "balanced",
+                        needs="partition='balanced'", partition=self.partition, capacity=self.capacity)
         if self.capacity is not None and self.partition != "balanced":
             raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")

@@ -192,11 +192,9 @@ class BatchShuffler(ShufflerBase):
             if partition is not balanced_partition:
                 raise ValueError(f"{me}: capacity={capacity} partitions with free_partition; "
                                  f"partition={getattr(partition, '__name__', partition)!r} makes equal parts")
-        check_token_cap(me, token_cap)
-        if token_cap is not None and (partition is not balanced_partition or capacity is not None):
-            raise ValueError(f"{me}: token_cap={token_cap} needs the default partition (balanced_partition) "
-                             f"and capacity=None; got partition={getattr(partition, '__name__', partition)!r}, "
-                             f"capacity={capacity!r}")
+        check_token_cap(me, token_cap, default_partition=partition is balanced_partition,
+                        needs="the default partition (balanced_partition)",
+                        partition=getattr(partition, "__name__", partition), capacity=capacity)
         if executor == "auto":
             executor = "process" if partition is balanced_partition else "thread"
         if executor == "process" and partition is not balanced_partition:
