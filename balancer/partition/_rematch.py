@@ -73,10 +73,10 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
         tried += 1
         col = rows[:, k]
         rest = loads - vals[col]
-        # Positions are value-ascending, so sorting them sorts the items;
+        # Positions are value-ascending, so sorting them sorts the items (as
+        # int32 when N allows: numpy's SIMD sort takes ~half the time);
         # order_floats breaks ties by part index, the same on every machine.
         new = np.empty_like(col)
-        # Positions are < N: as int32 numpy's SIMD sort takes ~half the time.
         new[order_floats(rest)] = np.sort(col.astype(np.int32) if narrow else col)[::-1]
         new_loads = rest + vals[new]
         top = new_loads.max()
