@@ -10,9 +10,10 @@
    misses the target and the input is small, equal-size Karmarkar-Karp is
    tried too (it starts ~10x closer on smooth inputs);
 4. for ``B <= 16``, column re-matching (:mod:`balancer.partition._rematch`);
-5. swap refinement under a *work budget*: parallel rounds, single best swaps
-   for the heaviest part, two-for-two swaps for few parts. Every swap keeps
-   the item counts and never raises the max, so stopping early is always safe.
+5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
+   single best swaps for the heaviest part, two-for-two swaps for few parts.
+   Every swap keeps the item counts and never raises the max, so stopping
+   early is always safe.
 
 Work is bounded by step counts derived from ``(W, B)`` alone, so the result
 is a deterministic function of the input. An optional deadline (a
@@ -56,11 +57,12 @@ _ROUND_ITEMS: tuple[int | None, int | None] = (None, 1 << 14)
 _POLISH_ITEMS: tuple[int | None, int | None] = (1 << 18, 1 << 12)
 _POLISH_STEPS = 128  # single swaps at most (and 4W + 32): each costs ~15 numpy calls
 _LARGE = 1 << 14
-# Small inputs: parallel rounds only while at least this many parts are above
+# N <= _LARGE: parallel rounds only while at least this many parts are above
 # target. A round costs ~60 numpy calls whatever the number of heavy parts; with
 # fewer it fixes at most 3 parts, where polish (all parts partners, ~12 calls a
-# swap) is 2-4x cheaper per swap (8x128 lognormal: 1.5 -> 1.0 ms, 16x64
-# lognormal: 2.7 -> 1.8 ms; no config's quality worse).
+# swap) is 2-4x cheaper per swap (measured when rounds still ran at N = 1,024:
+# 8x128 lognormal 1.5 -> 1.0 ms, 16x64 lognormal 2.7 -> 1.8 ms; no config's
+# quality worse). Below _ROUNDS_MIN_ITEMS there are no rounds at all.
 _ROUND_MIN_HEAVY = (4, 1)
 # Few items per part: column re-matching (``_rematch``) before the swaps, at most
 # 8 cycles over the columns, _REMATCH_MOVES moves, and _REMATCH_ITEMS items in all
@@ -70,6 +72,17 @@ _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
+# Up to N = 1,024 the refinement is all call overhead (a round ~60 numpy calls,
+# a polish swap ~12, a two-for-two step ~50 us): swap rounds are skipped there,
+# the polish gets more swaps and the two-for-two swaps (the way out of the
+# polish's local optima) more steps. Measured side by side while tuning, on the
+# small shapes of bench_partition (N <= 1,024, 4 distributions, 3 seeds):
+# 256x4 uniform 0.98 -> 0.63 ms, 32x8 uniform 1.07 -> 0.67 ms, 64x16 uniform
+# 1.22 -> 0.74 ms; quality within 1.2x or better (uniform 16x16 2.6e-5 ->
+# 1.5e-5 above the bound, 64x16 2.9e-5 -> 3.4e-5).
+_ROUNDS_MIN_ITEMS = 1025
+_POLISH_STEPS_SMALL = 256
+_PAIR_STEPS_SMALL = 6
 
 
 @dataclasses.dataclass
@@ -137,12 +150,16 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
         rematch_columns(v, rows, loads, target, min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w)), stop_at)
         if loads.max() <= target or _late(stop_at):
             return
-    swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
-                stop_at, _ROUND_MIN_HEAVY[large])
+    steps, pair_steps = min(4 * w + 32, _POLISH_STEPS), _PAIR_STEPS
+    if v.size >= _ROUNDS_MIN_ITEMS:
+        swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
+                    stop_at, _ROUND_MIN_HEAVY[large])
+    else:
+        steps, pair_steps = _POLISH_STEPS_SMALL, _PAIR_STEPS_SMALL
     if loads.max() > target and not _late(stop_at):
-        polish(v, rows, loads, target, min(4 * w + 32, _POLISH_STEPS), _POLISH_ITEMS[large], stop_at)
+        polish(v, rows, loads, target, steps, _POLISH_ITEMS[large], stop_at)
     if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
-        polish_pairs(v, rows, loads, target, _PAIR_STEPS)
+        polish_pairs(v, rows, loads, target, pair_steps)
 
 
 def _late(stop_at: float | None) -> bool:
