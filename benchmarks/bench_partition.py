@@ -16,6 +16,8 @@ header line with hardware, versions and load) to ``--json-out``:
 2. before / after at scale: N up to 262,144 (8192x32 ... 256x1024), quality
    over seeds and time per call, the two versions taking turns (machine noise
    hits both alike); "array" times the partition without building lists;
+   2b. small inputs: every shape with N <= 1,024 (the 1 ms target), the
+   shuffler's array call (``partition_rows``) next to ``--before``'s;
 3. time against N (W x 32) and against W at N = 131,072 (``--plot`` draws it);
 4. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
    (or the ``PartitionWorker`` child) while the main thread does a fixed
@@ -458,6 +460,67 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                   f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} |", flush=True)
 
 
+# ----------------------------------------------------------------- 2b. small inputs
+SMALL_SHAPES = [(2, 512), (4, 256), (8, 128), (16, 64), (32, 32), (64, 16), (128, 8), (256, 4),
+                (512, 2), (4, 64), (8, 32), (16, 16), (32, 8)]
+
+
+def small(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, before: Any,
+          emit: Callable[[dict[str, Any]], None], reps: int = 21) -> None:
+    """The 1 ms target: every shape with N <= 1,024, ``partition_rows`` next to ``before``'s.
+
+    Quality over ``seeds``; times are medians of ``reps`` alternating calls on seed 0.
+    """
+    print("\n## Small inputs, N <= 1,024 (max/bound - 1: median | worst over seeds; "
+          "partition_rows ms per call)\n")
+    print("| W x B | dist | before: quality | before ms | after: quality | after ms |")
+    print("|---|---|---|---|---|---|")
+    before_rows = _rows_of(before)
+    after_ms: list[float] = []
+    for w, b in shapes:
+        for dist in dists:
+            gaps: dict[str, list[float]] = {"before": [], "after": []}
+            fns: dict[str, Callable[[], Any]] = {}
+            for seed in range(seeds):
+                x, _ = make_workloads(dist, w * b, seed)
+                lb = lower_bound(x, w)
+                now = {"after": lambda x=x, w=w: partition_rows(x, w)}
+                if before_rows is not None:
+                    now["before"] = lambda x=x, w=w: before_rows(x, w)
+                for name, fn in now.items():
+                    rows = fn()
+                    gaps[name].append(float(x[rows].sum(axis=1).max()) / lb - 1)
+                if seed == 0:
+                    fns = now
+            secs = time_side_by_side(fns, reps)
+            after_ms.append(1e3 * secs["after"])
+            emit({"kind": "small", "W": w, "B": b, "N": w * b, "dist": dist,
+                  **{f"gaps_{k}": v for k, v in gaps.items()},
+                  **{f"{k}_ms": 1e3 * v for k, v in secs.items()}})
+            cell = {k: (f"{statistics.median(v):.1e} \\| {max(v):.1e}" if v else "-")
+                    for k, v in gaps.items()}
+            bms = f"{1e3 * secs['before']:.2f}" if "before" in secs else "-"
+            print(f"| {w}x{b} | {dist} | {cell['before']} | {bms} | {cell['after']} | "
+                  f"{1e3 * secs['after']:.2f} |", flush=True)
+    print(f"\nafter: slowest {max(after_ms):.2f} ms; {sum(t > 1 for t in after_ms)} of "
+          f"{len(after_ms)} configurations above 1 ms")
+
+
+def _rows_of(before: Any) -> Callable[[np.ndarray, int], np.ndarray] | None:
+    """``before``'s array-returning partition (``_balanced.partition_rows``), or its lists
+    as an array for commits that predate it (those times include building the lists)."""
+    if before is None:
+        return None
+    import importlib
+
+    try:
+        fn: Callable[[np.ndarray, int], np.ndarray] = importlib.import_module(
+            before.__name__ + "._balanced").partition_rows
+        return fn
+    except (ImportError, AttributeError):
+        return lambda x, w: np.asarray(before.balanced_partition(x, w))
+
+
 def scaling_curves(before: Any, emit: Callable[[dict[str, Any]], None], plot: str | None,
                    dist: str = "lognormal", reps: int = 5) -> None:
     """Time against N (B = 32) and against W at N = 131,072; seed 0, side by side."""
@@ -562,7 +625,7 @@ def main() -> None:
     ap.add_argument("--before", default="07a7679",
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections: quality,scale,curves,threads,locality,tokens")
+                    help="comma-separated sections: quality,scale,small,curves,threads,locality,tokens")
     ap.add_argument("--step-ms", type=float, default=50.0,
                     help="main-thread work per step (x10 for the N=131072 case)")
     args = ap.parse_args()
@@ -592,6 +655,8 @@ def main() -> None:
             quality([(8, 32), (8, 128), (64, 32), (64, 128)], seeds, emit, methods)
         if want("scale"):
             scale([(8192, 32), (1024, 256), (32, 32)], ("zipf", "lognormal"), seeds, before, emit, 3)
+        if want("small"):
+            small([(64, 16), (16, 64)], ("uniform", "zipf"), seeds, before, emit, 5)
         if want("threads"):
             thread_experiment([(64, 128, args.step_ms)], 10, emit, before)
         if want("locality"):
@@ -604,6 +669,8 @@ def main() -> None:
             quality(configs, seeds, emit, methods)
         if want("scale"):
             scale(SCALE_SHAPES, DISTS, max(2, seeds), before, emit)
+        if want("small"):
+            small(SMALL_SHAPES, DISTS, seeds, before, emit)
         if want("curves"):
             scaling_curves(before, emit, args.plot)
         if want("threads"):
