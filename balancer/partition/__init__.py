@@ -18,10 +18,11 @@ Pipeline of :func:`balanced_partition` (``x`` = workloads; the steps live in
    items), dealt a row or more at a time -- within ~1e-4 of the bound at
    N = 262,144 in ~32-70 numpy steps, where LPT is up to 2.3e-3 above it;
 3. swap refinement to ``lower_bound * (1 + rtol)`` under a work budget that
-   depends on ``N`` and ``W`` only: parallel rounds in which every part above
-   the target trades one item with a light (or another heavy) part, single
-   best swaps for the heaviest part, then (few parts) two-for-two swaps. No
-   swap raises the max, so stopping early (budget, ``deadline_ms``) is safe;
+   depends on ``N`` and ``W`` only: parallel rounds (above N = 1,024) in which
+   every part above the target trades one item with a light (or another
+   heavy) part, single best swaps for the heaviest part, then (few parts)
+   two-for-two swaps. No swap raises the max, so stopping early (budget,
+   ``deadline_ms``) is safe;
 4. optionally (``tokens``) a hard per-part cap on a second quantity
    (``_tokens``), and (``home``) :func:`localize`: choose which part
    each rank gets, and trade items so that samples stay on their home rank
