@@ -14,6 +14,11 @@ what ``BatchShuffler(pg=subgroup)`` does today), and groups re-formed every
 step by dealing ranks sorted by load round-robin (heavy and light ranks share
 a group).
 
+Part 3 (partition time). What every rank's planner spends per step on the
+global partition (``partition_rows``, the shuffler's call) as W x B grows past
+the partitioner benchmark's N = 262,144, next to one group's partition (G x B
+samples) of the hierarchical scheme, on the same workloads.
+
 Run: ``.venv/bin/python benchmarks/bench_scale.py`` (~5 min; ``--quick``).
 """
 
@@ -35,7 +40,8 @@ from _e2e_common import sample_lengths  # noqa: E402
 from balancer._header import HEADER_LEN  # noqa: E402
 from balancer._protocol import capture, message  # noqa: E402
 from balancer.batch import BaseBatch  # noqa: E402
-from balancer.partition import balanced_partition  # noqa: E402
+from balancer.partition import balanced_partition, lower_bound  # noqa: E402
+from balancer.partition._balanced import partition_rows  # noqa: E402
 
 
 def message_bytes(b: int, k: int) -> int:
@@ -77,6 +83,26 @@ def grouping(w: int, b: int, g: int, steps: int, rng: np.random.Generator, with_
     return {k: float(np.mean(v)) for k, v in res.items() if v}
 
 
+def partition_time(w: int, b: int, groups: tuple[int, ...], rng: np.random.Generator,
+                   reps: int) -> dict[str, float]:
+    """Seconds (min over ``reps``) of the global partition of W x B samples and of one
+    group's (G x B), and the global result's max/bound - 1."""
+    lengths = sample_lengths("zipf", w * b, 4096, rng)
+    x = lengths * lengths + 256 * lengths
+    out: dict[str, float] = {}
+    for name, n_parts in [("global", w)] + [(f"G={g}", g) for g in groups if g < w]:
+        sub = x[: n_parts * b]
+        secs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            rows = partition_rows(sub, n_parts)
+            secs.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = min(secs)
+        if name == "global":
+            out["global_gap"] = float(sub[rows].sum(axis=1).max()) / lower_bound(sub, n_parts) - 1
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json-out", default="bench_out/scale.jsonl")
@@ -106,6 +132,19 @@ def main() -> int:
             print(f"{w:>5} {b:>4} {g:>4} | {r['none']:>6.3f} {glob} {r['static']:>7.4f} {r['mixed']:>7.4f} | "
                   f"{time.perf_counter() - t0:>5.1f}", flush=True)
             f.write(json.dumps({"bench": "scale_grouping", "world": w, "batch_size": b, "group": g, **r}) + "\n")
+        shapes = [(1024, 128), (2048, 128)] if a.quick else [
+            (1024, 128), (8192, 32), (2048, 512), (8192, 128), (4096, 512), (8192, 512)]
+        groups = (64, 256)
+        print("\npartition time per step (ms, min of reps), Zipf(1.2) <= 4096, cost L^2 + 256 L: the global "
+              "partition (W x B) and one group's (G x B)")
+        print(f"{'W':>5} {'B':>4} {'N':>9} | {'global':>7} {'gap':>8} | " + " ".join(f"{'G=' + str(g):>7}"
+                                                                                for g in groups))
+        for w, b in shapes:
+            r = partition_time(w, b, groups, rng, 1 if a.quick or w * b > 2**21 else 3)
+            cells = " ".join(f"{1e3 * r[f'G={g}_s']:>7.1f}" if f"G={g}_s" in r else f"{'-':>7}" for g in groups)
+            print(f"{w:>5} {b:>4} {w * b:>9,} | {1e3 * r['global_s']:>7.1f} {r['global_gap']:>8.1e} | {cells}",
+                  flush=True)
+            f.write(json.dumps({"bench": "scale_partition", "world": w, "batch_size": b, **r}) + "\n")
     print(f"wrote {out}")
     return 0
 

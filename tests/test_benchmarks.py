@@ -79,6 +79,8 @@ def test_bench_scale(tmp_path: Path) -> None:
     assert groups
     for r in groups:  # balancing over everyone is never worse than within groups, nor than nothing
         assert r["global"] <= min(r["static"], r["mixed"]) + 1e-6 and r["global"] <= r["none"], r
+    times = [r for r in rows if r["bench"] == "scale_partition"]
+    assert times and all(r["global_gap"] >= -1e-12 and r["global_s"] > 0 for r in times)
 
 
 def _tokens_mip() -> Any:
