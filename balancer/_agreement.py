@@ -33,6 +33,7 @@ from balancer._header import (
     H_PAY_B,
     H_PAY_K,
     H_PREV_DIGEST,
+    H_PREV_GROUP,
     H_PREV_SEQ,
     H_SEQ,
     H_STATUS,
@@ -95,7 +96,7 @@ def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
     if any(int(headers[r, H_CONFIG]) != int(headers[0, H_CONFIG]) for r in range(w)):
         problems.append("config")
     prev = headers[:, H_PREV_SEQ]
-    if (prev >= 0).all() and (prev == prev[0]).all() and (headers[:, H_PREV_DIGEST] != headers[0, H_PREV_DIGEST]).any():
+    if (prev >= 0).all() and (prev == prev[0]).all() and _plan_odd(headers):
         problems.append("plan")
     schemas = {Agreement(int(h[H_BATCH]), int(h[H_KEYS]), int(h[H_LAYOUT])) for h in headers}
     if len(schemas) > 1:
@@ -108,6 +109,19 @@ def decide(headers: np.ndarray, agreed: Agreement | None) -> Verdict:
     if schema == agreed and sized:
         return Verdict("ok", agreed)
     return Verdict("retry", schema)
+
+
+def _plan_odd(headers: np.ndarray) -> list[int]:
+    """Ranks whose previous plan digest differs from their planning group's
+    (one group of all ranks without ``group_size``); [] when all agree."""
+    groups: dict[int, list[int]] = {}
+    for r, g in enumerate(headers[:, H_PREV_GROUP].tolist()):
+        groups.setdefault(int(g), []).append(r)
+    for ranks in groups.values():
+        digests = [int(headers[r, H_PREV_DIGEST]) for r in ranks]
+        if len(set(digests)) > 1:
+            return [ranks[i] for i in _odd(digests)]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +196,7 @@ def describe_failure(verdict: Verdict, headers: np.ndarray, reports: list[Report
         if lines:
             parts.append(f"batch layout differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
     if "plan" in verdict.problems:
-        digests = [int(h[H_PREV_DIGEST]) for h in headers]
-        odd = _odd(digests)
+        odd = _plan_odd(headers)
         offenders.update(odd)
         parts.append(f"the partition of shuffle #{int(headers[0, H_PREV_SEQ])} differed on rank(s) {odd}: "
                      "the partition function is not deterministic across ranks")

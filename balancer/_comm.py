@@ -6,6 +6,8 @@ This is the only module of balancer that communicates. Per shuffle:
 phase   thread              group                 call
 ======  ==================  ====================  ======================================
 1       background          ``meta`` (gloo, CPU)  one all-gather of the phase-1 message
+                                                  (``group_size``: of the headers, then
+                                                  point to point within the group)
 2       calling             ``data`` or the DP    one ``all_to_all_single`` (or one
                             group                 all-gather) of one flat byte buffer
 ======  ==================  ====================  ======================================
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ShuffleGroups", "all_gather_fixed", "all_gather_objects", "assemble", "create_groups", "execute",
-    "gather_rows", "missing_ranks", "pack", "receive_buffer", "resolve_group",
+    "gather_group", "gather_rows", "missing_ranks", "pack", "receive_buffer", "resolve_group", "take_part",
 ]
 
 
@@ -141,6 +143,33 @@ def gather_rows(msg: np.ndarray, groups: ShuffleGroups) -> np.ndarray:
     """
     t = torch.from_numpy(np.ascontiguousarray(msg, dtype=np.int64))
     return all_gather_fixed(t, groups.meta).numpy()
+
+
+def gather_group(msg: np.ndarray, members: np.ndarray, groups: ShuffleGroups) -> np.ndarray:
+    """Exchange this rank's int64 message with the other ``members`` of its
+    group over ``meta``, point to point (background thread; ``group_size``).
+
+    Every member calls it with the same ``members`` (formed from gathered
+    data) and messages of one agreed size, so each send meets its receive.
+
+    Example (members ``[0, 2]``): rank0 ``[1, 2]``, rank2 ``[5, 6]`` -> both
+    ``[[1, 2], [5, 6]]``; ranks 1 and 3 exchange among themselves meanwhile.
+
+    Returns:
+        [G, len(msg)] int64, row i from rank ``members[i]``.
+    """
+    t = torch.from_numpy(np.ascontiguousarray(msg, dtype=np.int64))
+    out = torch.empty((members.size, t.numel()), dtype=torch.int64)
+    ops = []
+    for i, r in enumerate(members.tolist()):
+        if r == groups.rank:
+            out[i] = t
+            continue
+        peer = dist.get_global_rank(groups.meta, r)
+        ops += [dist.P2POp(dist.isend, t, peer, groups.meta), dist.P2POp(dist.irecv, out[i], peer, groups.meta)]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return out.numpy()
 
 
 def all_gather_objects(obj: Any, groups: ShuffleGroups) -> list[Any]:
@@ -232,6 +261,16 @@ def _lengths_dtypes(layout: WireLayout) -> list[torch.dtype]:
         assert layout.seq_lens_dtype is not None, "a token layout knows its seq_lens dtype"
         return [layout.seq_lens_dtype]
     return [k.lengths_dtype for k in layout.kjts]
+
+
+def take_part(device: torch.device, world_size: int, group: Any) -> float:
+    """Phase 2 of a rank that sends and receives nothing (``group_size``: its group
+    moved nothing) while other groups exchange: the same ``all_to_all_single``,
+    with empty buffers. Returns the seconds spent in the call."""
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(empty, empty, [0] * world_size, [0] * world_size, group=group)
+    return time.perf_counter() - t0
 
 
 def execute(batch: Any, layout: WireLayout, ex: Exchange, host: HostTensors, group: Any,

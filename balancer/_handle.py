@@ -45,11 +45,14 @@ class HandleState:
 class Outcome:
     """The background work's result: this rank's phase 2, ready to run."""
 
-    exchange: Exchange | None  # None: nothing moves anywhere, phase 2 is skipped
+    exchange: Exchange | None  # None: nothing moves (anywhere, or in this rank's group)
     blob: HostTensors | None  # the exchange's index arrays (pinned when CUDA is present)
     layout: WireLayout | None
     stats: ShuffleStats
     dest: np.ndarray
+    # group_size: phase 2 is one collective of all W ranks, so a rank whose
+    # group moves nothing still takes part in it, sending nothing.
+    join: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

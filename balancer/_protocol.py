@@ -9,7 +9,8 @@ shuffler's own CPU (gloo) group, issued by the shuffler's background thread::
                  padded token batch (0 otherwise: ranks may pad differently),
                  the shuffle whose output this rank last timed and the seconds
                  its compute took (online calibration; -1 and 0 otherwise),
-                 1 reserved
+                 the lowest rank of the group that planned the previous
+                 shuffle (``group_size``; -1: every rank planned it)
     payload      workloads float64 [B] (as bits), then lengths int32 [K_total, B]
                  (two per word)
 
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from balancer._agreement import Agreement, payload_words
-from balancer._header import H_MEAS_TIME, H_PAD_LEN, HEADER_LEN, MAGIC
+from balancer._header import H_MEAS_TIME, H_PAD_LEN, H_PREV_GROUP, HEADER_LEN, MAGIC
 from balancer._layout import (
     WireLayout,
     layout_problems,
@@ -177,14 +178,17 @@ class LocalData:
     lengths: np.ndarray  # [K_total, B] int64
 
 
-def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) -> tuple[np.ndarray, LocalData | None]:
+def message(meta: LocalMeta, agreed: Agreement | None,
+            prev: tuple[int, int] | tuple[int, int, int]) -> tuple[np.ndarray, LocalData | None]:
     """The int64 message of ``meta`` under ``agreed`` (background thread).
 
     Waits for the device copy, checks the values, and returns the message and
     this rank's data (``None`` when unusable).
 
     Args:
-        prev: ``(seq, plan digest)`` of this shuffler's previous shuffle, or ``(-1, 0)``.
+        prev: ``(seq, plan digest)`` of this shuffler's previous shuffle, or
+            ``(-1, 0)``; with a third entry, the lowest rank of the group that
+            planned it (``group_size``; default -1: all ranks).
     """
     data = None
     detail, bad_value = -1, 0
@@ -207,6 +211,7 @@ def message(meta: LocalMeta, agreed: Agreement | None, prev: tuple[int, int]) ->
                            agreed.batch_size if agreed else 0, agreed.num_lengths if agreed else 0, bad_value,
                            meta.pad_len, meta.measured[0]]
     msg[H_MEAS_TIME] = np.array(meta.measured[1], np.float64).view(np.int64)
+    msg[H_PREV_GROUP] = prev[2] if len(prev) > 2 else -1
     usable = data is not None and meta.status == 0 and agreed == meta.agreement()
     if usable:
         assert data is not None and agreed is not None, "usable implies both"

@@ -19,7 +19,7 @@ class ShuffleStats:
 
     Loads are sums of real samples' workloads, in the units ``workload_fn``
     returns (padding counts 0). Balance numbers are global (equal on every
-    rank); traffic and times are this rank's.
+    rank; with ``group_size``, the group's); traffic and times are this rank's.
 
     Attributes:
         seq: the handle's sequence number on this shuffler.
@@ -57,6 +57,11 @@ class ShuffleStats:
             (``BatchShuffler(token_cap=...)`` times the mean, or the proven
             minimum if higher); ``None`` without a cap or where the search
             could not meet it (compute alone was balanced).
+        group: with ``BatchShuffler(group_size=...)``, the ranks this shuffle
+            balanced among (this rank's group, ascending); the per-rank lists
+            (``load_*``, ``real_*``, ``tokens_*``), the balance numbers and
+            ``moved_fraction`` then cover the group, in this order. Empty:
+            all W ranks, rank r at index r.
     """
 
     seq: int
@@ -87,6 +92,7 @@ class ShuffleStats:
     tokens_before: list[int] = dataclasses.field(default_factory=list)
     tokens_after: list[int] = dataclasses.field(default_factory=list)
     token_cap: float | None = None
+    group: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance_before(self) -> float:

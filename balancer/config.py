@@ -61,6 +61,24 @@ def check_token_cap(owner: str, value: object, *, default_partition: bool, needs
                          f"got partition={partition!r}, capacity={capacity!r}")
 
 
+def check_group_size(owner: str, value: object, *, comm: str, default_partition: bool, partition: object,
+                     capacity: object, calibrate: bool, token_cap: object, calibrate_name: str = "calibrate") -> None:
+    """Raise ValueError unless ``value`` is None, or an int >= 2 with ``comm="all2all"``, the
+    default partition, and no ``capacity``, calibration or ``token_cap`` (those balance over
+    every rank's samples; a group sees only its own)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"{owner}: group_size={value!r}, expected None or an int >= 2 (ranks per group)")
+    clash = [f"{name}={v!r}" for name, v, bad in (
+        ("comm", comm, comm != "all2all"), ("partition", partition, not default_partition),
+        ("capacity", capacity, capacity is not None), (calibrate_name, calibrate, bool(calibrate)),
+        ("token_cap", token_cap, token_cap is not None)) if bad]
+    if clash:
+        raise ValueError(f"{owner}: group_size={value} balances within groups with comm='all2all' and the default "
+                         f"partition, without capacity, calibration or token_cap; got {', '.join(clash)}")
+
+
 def identity(obj: Any) -> str:
     """What ranks compare to check they configured the same callable.
 
@@ -167,6 +185,15 @@ class BalancerConfig:
     ``partition="balanced"`` and ``capacity=None``. See
     ``BatchShuffler(token_cap=...)``."""
 
+    group_size: int | None = None
+    """For large jobs: balance within groups of at most ``group_size`` ranks,
+    re-formed every step so each mixes heavy and light ranks; phase 1 then
+    gathers per-sample metadata from the group only and partitions
+    ``group_size * batch_size`` samples, for some balance. ``None``: all
+    ranks. Needs ``comm="all2all"``, ``partition="balanced"``, and no
+    ``capacity``, ``online_calibration`` or ``token_cap``. See
+    ``BatchShuffler(group_size=...)``."""
+
     def __post_init__(self) -> None:
         me = "BalancerConfig"
         check_bool(me, "enable_balanced_shuffler", self.enable_balanced_shuffler)
@@ -188,3 +215,6 @@ class BalancerConfig:
                         needs="partition='balanced'", partition=self.partition, capacity=self.capacity)
         if self.capacity is not None and self.partition != "balanced":
             raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")
+        check_group_size(me, self.group_size, comm=self.comm, default_partition=self.partition == "balanced",
+                         partition=self.partition, capacity=self.capacity, calibrate=self.online_calibration,
+                         token_cap=self.token_cap, calibrate_name="online_calibration")

@@ -109,7 +109,7 @@ class BalancedLoader(Generic[_B]):
         batch_size: samples per batch; ``None`` takes the first batch's
             (pass it when a rank's first batch may be incomplete).
         pin_memory: pin every yielded batch (only when CUDA is available).
-        comm, partition, locality, executor, timeout, log_interval, token_cap: the
+        comm, partition, locality, executor, timeout, log_interval, token_cap, group_size: the
             :class:`~balancer.shuffler.BatchShuffler` settings; ``timeout``
             also bounds the loader's own stop signal.
 
@@ -121,7 +121,7 @@ class BalancedLoader(Generic[_B]):
                  group: dist.ProcessGroup | None = None, ahead: int = 2, batch_size: int | None = None,
                  pin_memory: bool = False, comm: str = "all2all", partition: PartitionFn = balanced_partition,
                  locality: bool = True, executor: str = "auto", timeout: float = 300.0,
-                 log_interval: int = 0, token_cap: float | None = None) -> None:
+                 log_interval: int = 0, token_cap: float | None = None, group_size: int | None = None) -> None:
         me = type(self).__name__
         if not isinstance(loader, Iterable):
             raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch")
@@ -138,7 +138,7 @@ class BalancedLoader(Generic[_B]):
         self._workloads = Workloads(workload_fn)
         self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
                                        executor=executor, timeout=timeout, log_interval=log_interval,
-                                       token_cap=token_cap)
+                                       token_cap=token_cap, group_size=group_size)
         self._group, self._world, _ = _comm.resolve_group(group)
         # Both on the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never

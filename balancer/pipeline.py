@@ -419,6 +419,7 @@ def create_train_pipeline(
             calibrate=config.online_calibration,
             calibration_keys=config.calibration_keys,
             token_cap=config.token_cap,
+            group_size=config.group_size,
         )
     else:
         shuffler = IdentityBatchShuffler()

@@ -8,9 +8,11 @@ Per step, on every rank of the group (each step is a collective):
    blocking, with an event), then queues the background work and returns a
    :class:`ShuffleHandle`. It never waits for the device or for a peer.
 2. Background thread (one per shuffler; jobs in start order): waits for the
-   event, all-gathers every rank's metadata over the shuffler's own gloo group,
-   decides (the same verdict on every rank), partitions in a torch-free child
-   process, and plans phase 2 down to every byte (:mod:`balancer._exchange`).
+   event, all-gathers every rank's metadata over the shuffler's own gloo group
+   (with ``group_size``: every rank's header and load, then the metadata of
+   its group, :mod:`balancer._groups`), decides (the same verdict on every
+   rank), partitions in a torch-free child process, and plans phase 2 down to
+   every byte (:mod:`balancer._exchange`).
 3. ``finish_shuffle(batch, handle)`` (phase 2, calling thread): waits for the
    background work, then one collective moves one flat buffer
    (``"all2all"``: each sample to its new rank; ``"allgather"``: every batch
@@ -55,6 +57,7 @@ from balancer._comm import ShuffleGroups
 from balancer._destinations import PartitionFn
 from balancer._exchange import Traffic
 from balancer._gather import host_tensors
+from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
 from balancer._header import HEADER_LEN
 from balancer._layout import WireLayout, fingerprint
@@ -68,6 +71,7 @@ from balancer.config import (
     EXECUTORS,
     check_bool,
     check_choice,
+    check_group_size,
     check_interval,
     check_timeout,
     check_token_cap,
@@ -164,6 +168,17 @@ class BatchShuffler(ShufflerBase):
             balance and partition time (``docs/benchmarks_partition.md``).
             ``handle.stats.token_imbalance_after`` shows the result. Needs the
             default ``partition`` and ``capacity=None``.
+        group_size: ``None`` (default): balance over all W ranks. An int
+            ``G >= 2``: for large jobs, balance within groups of at most G
+            ranks, re-formed every shuffle so that each mixes heavy and light
+            ranks (:mod:`balancer._groups`). Phase 1 then gathers every rank's
+            header and load (``W * 152`` bytes) and the per-sample metadata of
+            the group only, and partitions ``G * B`` samples instead of
+            ``W * B``, for some balance (a heavy group cannot give work to a
+            light one). ``handle.stats`` then describes this rank's group
+            (``stats.group``). Needs ``comm="all2all"``, the default
+            ``partition``, and no ``capacity``, ``calibrate`` or ``token_cap``.
+            Has no effect when ``W <= G``.
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -174,7 +189,8 @@ class BatchShuffler(ShufflerBase):
                  partition: PartitionFn = balanced_partition, locality: bool = True,
                  log_interval: int = 0, executor: str = "auto", timeout: float = 300.0,
                  capacity: int | None = None, calibrate: bool = False,
-                 calibration_keys: Sequence[str] | None = None, token_cap: float | None = None) -> None:
+                 calibration_keys: Sequence[str] | None = None, token_cap: float | None = None,
+                 group_size: int | None = None) -> None:
         if not callable(workload_fn):
             raise ValueError(f"workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         me = type(self).__name__
@@ -195,6 +211,9 @@ class BatchShuffler(ShufflerBase):
         check_token_cap(me, token_cap, default_partition=partition is balanced_partition,
                         needs="the default partition (balanced_partition)",
                         partition=getattr(partition, "__name__", partition), capacity=capacity)
+        check_group_size(me, group_size, comm=comm, default_partition=partition is balanced_partition,
+                         partition=getattr(partition, "__name__", partition), capacity=capacity,
+                         calibrate=calibrate, token_cap=token_cap)
         if executor == "auto":
             executor = "process" if partition is balanced_partition else "thread"
         if executor == "process" and partition is not balanced_partition:
@@ -208,6 +227,7 @@ class BatchShuffler(ShufflerBase):
         self.capacity = capacity
         self.token_cap = None if token_cap is None else float(token_cap)
         self.calibrate = calibrate
+        self.group_size = group_size
         if calibration_keys is not None and (isinstance(calibration_keys, str) or not all(
                 isinstance(k, str) for k in calibration_keys)):
             raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a sequence of str")
@@ -215,14 +235,15 @@ class BatchShuffler(ShufflerBase):
         self._config = {"comm": comm, "locality": str(locality), "partition": identity(partition),
                         "workload_fn": identity(workload_fn), "capacity": str(capacity),
                         "calibrate": str(calibrate), "calibration_keys": str(calibration_keys),
-                        "token_cap": repr(self.token_cap),
+                        "token_cap": repr(self.token_cap), "group_size": str(group_size),
                         "balancer": __version__}
         self._calibration = CalibrationState()
         self._config_fp = fingerprint(self._config)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
         self._agreed: dict[str, Agreement] = {}  # background thread only
-        self._prev: dict[str, tuple[int, int]] = {}  # background thread only: (seq, plan digest)
+        # Background thread only: (seq, plan digest[, lowest rank of the planning group]).
+        self._prev: dict[str, tuple[int, int] | tuple[int, int, int]] = {}
         self._worker: PartitionWorker | None = None
 
     def connect(self, pg: dist.ProcessGroup | None = None) -> None:
@@ -337,14 +358,16 @@ class BatchShuffler(ShufflerBase):
             wait_s = perf_counter() - t_wait
             collective_s = 0.0
             out: Any = batch if self.capacity is None else _padded(batch, self.capacity)
-            if outcome.exchange is not None:
-                assert outcome.layout is not None, "an exchange has a layout"
+            if outcome.exchange is not None or outcome.join:
                 groups = self._groups_for(group)
                 target = groups.phase2_group(batch.device)
                 try:
-                    assert outcome.blob is not None, "an exchange has index arrays"
-                    out, collective_s = _comm.execute(batch, outcome.layout, outcome.exchange, outcome.blob,
-                                                      target, replace_unchecked)
+                    if outcome.exchange is None:
+                        collective_s = _comm.take_part(batch.device, w, target)
+                    else:
+                        assert outcome.layout is not None and outcome.blob is not None, "an exchange is planned"
+                        out, collective_s = _comm.execute(batch, outcome.layout, outcome.exchange, outcome.blob,
+                                                          target, replace_unchecked)
                 except RuntimeError as e:
                     if target is groups.user:
                         raise
@@ -372,39 +395,83 @@ class BatchShuffler(ShufflerBase):
         with record_function("## balancer.shuffle.background ##"):
             key = groups.name
             agreed = self._agreed.get(key)
-            for _ in range(2):
-                msg, data = message(meta, agreed, self._prev.get(key, (-1, 0)))
-                rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_rows, msg, groups)
-                verdict = decide(rows[:, :HEADER_LEN], agreed)
-                if verdict.kind == "ok":
-                    break
-                if verdict.kind == "error":
-                    self._fail(verdict, rows[:, :HEADER_LEN], meta, groups)
-                agreed = self._agreed[key] = verdict.agreement  # type: ignore[assignment]
+            members = None  # the ranks of this rank's group (group_size), ascending
+            if self.group_size is not None and groups.world_size > self.group_size:
+                rows, agreed, members = self._gather_in_group(meta, groups, agreed)
             else:
-                raise AssertionError("phase-1 agreement did not settle in two rounds")
+                for _ in range(2):
+                    msg, data = message(meta, agreed, self._prev.get(key, (-1, 0)))
+                    rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_rows, msg, groups)
+                    verdict = decide(rows[:, :HEADER_LEN], agreed)
+                    if verdict.kind == "ok":
+                        break
+                    if verdict.kind == "error":
+                        self._fail(verdict, rows[:, :HEADER_LEN], meta, groups)
+                    agreed = self._agreed[key] = verdict.agreement  # type: ignore[assignment]
+                else:
+                    raise AssertionError("phase-1 agreement did not settle in two rounds")
             assert agreed is not None and meta.layout is not None, "an ok verdict follows an agreement"
             if self.capacity is not None and self.capacity < agreed.batch_size:
                 raise ValueError(f"BatchShuffler: capacity={self.capacity}, expected >= batch_size="
                                  f"{agreed.batch_size} (every rank's real samples must fit)")
             fit = self._calibration.update(key, rows, meta.seq) if self.calibrate else None
-            kwargs = dict(rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=groups.rank,
-                          comm=self.comm, locality=self.locality, capacity=self.capacity,
-                          cost_model=self._calibration.model(key), length_rows=self._length_rows(meta.layout),
-                          token_cap=self.token_cap)
+            me = groups.rank if members is None else int(np.searchsorted(members, groups.rank))
+            kwargs: dict[str, Any] = dict(
+                rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=me, comm=self.comm,
+                locality=self.locality, capacity=self.capacity, cost_model=self._calibration.model(key),
+                length_rows=self._length_rows(meta.layout), token_cap=self.token_cap)
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
                 step = plan_step(**kwargs, fn=self.partition, localize=localize, lower_bound=lower_bound)
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
-            self._prev[key] = (meta.seq, step.digest)
+            self._prev[key] = (meta.seq, step.digest) if members is None else (meta.seq, step.digest,
+                                                                                int(members[0]))
             if fit is not None:
                 fit.record(meta.seq, step.features)
-            ex = step.exchange
+            ex, stats, dest = step.exchange, step.stats, step.dest
+            if members is not None:
+                # The group planned among its members; phase 2 runs on all W
+                # ranks, with nothing sent outside the group.
+                w = groups.world_size
+                if ex is not None:
+                    ex = dataclasses.replace(ex, send_splits=widen_splits(ex.send_splits, members, w),
+                                             recv_splits=widen_splits(ex.recv_splits, members, w))
+                stats = dataclasses.replace(stats, world_size=w, rank=groups.rank, group=members.tolist())
+                dest = members[dest]
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
-            stats = dataclasses.replace(step.stats, background_s=perf_counter() - t0)
-            return Outcome(ex, blob, meta.layout, stats, step.dest)
+            stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
+            return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None)
+
+    def _gather_in_group(self, meta: LocalMeta, groups: ShuffleGroups,
+                         agreed: Agreement | None) -> tuple[np.ndarray, Agreement, np.ndarray]:
+        """Phase 1 with ``group_size``: every rank's header and load, the verdict,
+        the groups, then the full messages within this rank's group.
+
+        Returns:
+            The group's messages ``[G, len]`` (row i from ``members[i]``), the
+            agreement and the members (ascending).
+        """
+        key = groups.name
+        prev = self._prev.get(key, (-1, 0, -1))
+        msg, data = message(meta, agreed, prev)
+        total = float(data.workloads.sum()) if data is not None else 0.0
+        head = np.append(msg[:HEADER_LEN], np.array([total], np.float64).view(np.int64))
+        heads = self._collective(groups, meta.seq, "phase 1", _comm.gather_rows, head, groups)
+        verdict = decide(heads[:, :HEADER_LEN], agreed)
+        if verdict.kind == "error":
+            self._fail(verdict, heads[:, :HEADER_LEN], meta, groups)
+        assert verdict.agreement is not None, "ok and retry verdicts carry the agreement"
+        if verdict.agreement != agreed:
+            # Every rank moved to the same schema: size the group's messages by it.
+            agreed = self._agreed[key] = verdict.agreement
+            msg, _ = message(meta, agreed, prev)
+        assert self.group_size is not None, "only called with group_size"
+        loads = heads[:, HEADER_LEN].copy().view(np.float64)
+        members = members_of(form_groups(loads, self.group_size), groups.rank)
+        rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_group, msg, members, groups)
+        return rows, agreed, members
 
     def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
         """Rows of the lengths matrix that make up L for calibration (None: all)."""

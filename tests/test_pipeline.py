@@ -306,6 +306,8 @@ def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture
     bal = create_train_pipeline(model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True, capacity=40))  # type: ignore[arg-type]
     assert bal.shuffler.capacity == 40  # type: ignore[union-attr]
     assert bal.shuffler.partition is balanced_partition and bal.shuffler.executor == "process"  # type: ignore[union-attr]
+    grouped = create_train_pipeline(model, opt, cpu, BalancerConfig(enable_balanced_shuffler=True, group_size=8))  # type: ignore[arg-type]
+    assert grouped.shuffler.group_size == 8  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
         create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]
 
