@@ -6,13 +6,19 @@ Part 1 (bytes). Every rank all-gathers one message per rank per step:
 of K keys). The table gives the bytes one rank receives per step for W up to
 8192; the formula is checked against the message a real capture produces.
 
-Part 2 (grouping). A hierarchical scheme gathers only within groups of G ranks
-(bytes and the partition's input shrink by W / G). Simulated on the same
-Zipf(1.2) <= 4096 batches (cost L**2 + 256 L): the straggler (max/mean rank
-load) with no balancing, global balancing, static groups (consecutive ranks;
-what ``BatchShuffler(pg=subgroup)`` does today), and groups re-formed every
-step by dealing ranks sorted by load round-robin (heavy and light ranks share
-a group).
+With ``BatchShuffler(group_size=G)`` a rank receives every other rank's
+header and load (152 bytes each) and the full messages of its group only
+(``gathered_bytes``; the test suite checks the formula against the words a
+real 4-rank run receives).
+
+Part 2 (grouping). Balancing within groups of G ranks: bytes and the
+partition's input shrink by about W / G. Simulated on the same Zipf(1.2) <=
+4096 batches (cost L**2 + 256 L): the straggler (max/mean rank load) with no
+balancing, global balancing, static groups (consecutive ranks; what
+``BatchShuffler(pg=subgroup)`` does), and the groups ``group_size=G`` forms
+every step (``balancer._groups.form_groups``: ranks sorted by load dealt
+round-robin, so heavy and light ranks share a group), each group partitioned
+with the library's partitioner.
 
 Part 3 (partition time). What every rank's planner spends per step on the
 global partition (``partition_rows``, the shuffler's call) as W x B grows past
@@ -37,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _e2e_common import sample_lengths  # noqa: E402
 
+from balancer._groups import form_groups, group_message_words  # noqa: E402
 from balancer._header import HEADER_LEN  # noqa: E402
 from balancer._protocol import capture, message  # noqa: E402
 from balancer.batch import BaseBatch  # noqa: E402
@@ -46,6 +53,16 @@ from balancer.partition._balanced import partition_rows  # noqa: E402
 
 def message_bytes(b: int, k: int) -> int:
     return 8 * (HEADER_LEN + b + (k * b + 1) // 2)
+
+
+def gathered_bytes(w: int, b: int, k: int, g: int | None) -> int:
+    """Bytes one rank holds after phase 1, its own included: every rank's message
+    (global), or every rank's header and load plus its group's messages
+    (``group_size=g``; ``group_message_words`` counts the peers' part)."""
+    if g is None or w <= g:
+        return w * message_bytes(b, k)
+    peers = group_message_words(w, g, HEADER_LEN, message_bytes(b, k) // 8 - HEADER_LEN)
+    return 8 * (peers + HEADER_LEN + 1) + message_bytes(b, k)
 
 
 def _check_formula() -> None:
@@ -75,10 +92,12 @@ def grouping(w: int, b: int, g: int, steps: int, rng: np.random.Generator, with_
         res["none"].append(_straggler(loads))
         if with_global:
             res["global"].append(_straggler(_balanced_loads(cost.reshape(-1), w)))
-        by_load = np.argsort(-loads, kind="stable")
-        orders = {"static": np.arange(w), "mixed": np.concatenate([by_load[i :: w // g] for i in range(w // g)])}
-        for name, order in orders.items():
-            out = [_balanced_loads(cost[order[i * g : (i + 1) * g]].reshape(-1), g) for i in range(w // g)]
+        # "mixed": the groups BatchShuffler(group_size=g) forms (ranks by load, dealt round-robin)
+        gid = form_groups(loads, g)
+        layouts = {"static": [np.arange(i * g, (i + 1) * g) for i in range(w // g)],
+                   "mixed": [np.flatnonzero(gid == i) for i in range(int(gid.max()) + 1)]}
+        for name, groups in layouts.items():
+            out = [_balanced_loads(cost[members].reshape(-1), members.size) for members in groups]
             res[name].append(_straggler(np.concatenate(out)))
     return {k: float(np.mean(v)) for k, v in res.items() if v}
 
@@ -112,13 +131,17 @@ def main() -> int:
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        print("bytes one rank gathers in phase 1 per step (K = 3 keys)")
-        print(f"{'W':>6} | " + " ".join(f"{'B=' + str(b):>10}" for b in (32, 128, 512)))
+        print("bytes one rank gathers in phase 1 per step (K = 3 keys): global, and with group_size G")
+        print(f"{'W':>6} | " + " ".join(f"{'B=' + str(b):>10}" for b in (32, 128, 512)) + " | "
+              + " | ".join(" ".join(f"{f'G={g},B={b}':>13}" for b in (32, 512)) for g in (64, 256)))
         for w in (8, 64, 256, 1024, 4096, 8192):
             row = [w * message_bytes(b, 3) for b in (32, 128, 512)]
-            print(f"{w:>6} | " + " ".join(f"{x / 2**20:>8.2f}MB" for x in row))
+            grouped = {g: {b: gathered_bytes(w, b, 3, g) for b in (32, 128, 512)} for g in (64, 256)}
+            print(f"{w:>6} | " + " ".join(f"{x / 2**20:>8.2f}MB" for x in row) + " | "
+                  + " | ".join(" ".join(f"{grouped[g][b] / 2**20:>11.2f}MB" for b in (32, 512)) for g in (64, 256)))
             f.write(json.dumps({"bench": "scale_bytes", "world": w, "bytes": dict(zip((32, 128, 512), row,
-                                                                                    strict=True))}) + "\n")
+                                                                                    strict=True)),
+                                "grouped": {str(g): v for g, v in grouped.items()}}) + "\n")
         configs = [(1024, 32, 64), (1024, 128, 64), (1024, 128, 256)] if a.quick else [
             (1024, 32, 16), (1024, 32, 64), (1024, 128, 16), (1024, 128, 64), (1024, 128, 256),
             (256, 512, 16), (256, 512, 64), (4096, 32, 64)]
