@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm", choices=["all2all", "allgather"], default="all2all")
     p.add_argument("--partition", choices=["balanced", "karmarkar_karp"], default="balanced")
     p.add_argument("--no-locality", action="store_true", help="do not prefer keeping samples in place")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="balance within groups of this many ranks, re-formed every step (large jobs)")
     p.add_argument("--pipeline", choices=["sparse_dist", "prefetch"], default="sparse_dist")
     p.add_argument("--embedding-kernel", choices=["fused", "dense", "torch"], default="fused",
                    help="embedding tables: fused (TorchRec's fused kernel: FBGEMM TBE with SGD in the backward; "
@@ -229,14 +231,16 @@ class Runner:
         if mode in ("pipeline", "shuffler"):
             config = BalancerConfig(enable_balanced_shuffler=mode == "shuffler", comm=args.comm,
                                     partition=args.partition, locality=locality,
-                                    log_interval=args.balancer_log_interval, pipeline=args.pipeline)
+                                    log_interval=args.balancer_log_interval, pipeline=args.pipeline,
+                                    group_size=args.group_size)
             self.pipeline = create_train_pipeline(self.dmp, self.opt, device, config, workload_fn=workload_fn,
                                                   pg=pg)
         if mode == "loader":
             partition = {"balanced": balanced_partition, "karmarkar_karp": karmarkar_karp}[args.partition]
             self.loader = BalancedLoader(data, workload_fn, group=pg, ahead=args.ahead,
                                          pin_memory=device.type == "cuda", comm=args.comm, partition=partition,
-                                         locality=locality, log_interval=args.balancer_log_interval)
+                                         locality=locality, log_interval=args.balancer_log_interval,
+                                         group_size=args.group_size)
             self.batches: Iterator[HSTUBatch] = iter(self.loader)
         else:
             self.batches = iter(self.tracker)
@@ -275,17 +279,25 @@ class Runner:
         log, world = self.log, dist.get_world_size(self.pg)
         stats = self.loader.stats if self.loader is not None else (
             self.pipeline.last_step_stats if self.mode == "shuffler" else None)
-        if stats is not None:
+        rank = dist.get_rank(self.pg)
+        if stats is not None and not stats.group:
             before, after = stats.imbalance_before, stats.imbalance_after
-        else:  # nothing moved: the imbalance of the batches as drawn
-            loads = torch.zeros(world, dtype=torch.float64, device=self.device)
-            loads[dist.get_rank(self.pg)] = self.tracker.loads[len(log["loss"])]
+        else:
+            # Nothing moved (the batches as drawn), or --group-size (the stats
+            # cover this rank's group): every rank's load, gathered here.
+            if stats is None:
+                mine = [self.tracker.loads[len(log["loss"])]] * 2
+            else:
+                i = stats.group.index(rank)
+                mine = [stats.load_before[i], stats.load_after[i]]
+            loads = torch.zeros(2, world, dtype=torch.float64, device=self.device)
+            loads[:, rank] = torch.tensor(mine, dtype=torch.float64)
             dist.all_reduce(loads, group=self.pg)
-            before = after = float(loads.max() / loads.mean()) if float(loads.mean()) > 0 else 1.0
+            before, after = (float(x.max() / x.mean()) if float(x.mean()) > 0 else 1.0 for x in loads)
         # Per rank: compute (CPU time of the training thread, which leaves out
         # the waits inside collectives) and the wait for the batch.
         per_rank = torch.zeros(2, world, dtype=torch.float64, device=self.device)
-        per_rank[:, dist.get_rank(self.pg)] = torch.tensor([compute_s, wait_s], dtype=torch.float64)
+        per_rank[:, rank] = torch.tensor([compute_s, wait_s], dtype=torch.float64)
         dist.all_reduce(per_rank, group=self.pg)
         compute, waits = per_rank.tolist()
         log["loss"].append(global_loss_value(loss, pg=self.pg))

@@ -107,6 +107,19 @@ def test_both_modes_lower_the_imbalance_and_report_the_speedup(argv: list[str]) 
     assert all(x <= y + 1e-12 for x, y in zip(logs[balanced]["after"], logs[balanced]["before"], strict=True))
 
 
+def test_group_size_on_four_ranks_balances_within_groups() -> None:
+    _skip_without_tbe()
+    outs = run_workers(_worker, 4, ["--enable-balanced-shuffler", "--group-size", "2"] + SMALL, timeout=180)
+    text, logs = outs[0]
+    summaries = {m[1]: m for m in SUMMARY.finditer(text)}
+    assert set(summaries) == {"pipeline", "shuffler"}, text
+    # The example gathers every rank's load itself (the stats cover a group): the
+    # same batches as the baseline, balanced within groups of two.
+    assert summaries["pipeline"][3] == summaries["shuffler"][3], text
+    assert float(summaries["shuffler"][4]) < float(summaries["shuffler"][3]), text
+    assert max(abs(x - y) for x, y in zip(logs["pipeline"]["loss"], logs["shuffler"]["loss"], strict=True)) < 1e-5
+
+
 def test_readme_command_under_torchrun_prints_no_known_library_warnings() -> None:
     _skip_without_tbe()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
