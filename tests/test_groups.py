@@ -147,7 +147,7 @@ def _expected(ins: list[dict[str, Any]], w: int, group_size: int) -> tuple[list[
     return groups, out
 
 
-@pytest.mark.parametrize(("world_size", "group_size"), [(4, 2), (3, 2), (4, 3)])
+@pytest.mark.parametrize(("world_size", "group_size"), [(4, 2), (3, 2), (4, 3), (8, 3)])
 def test_grouped_shuffles_match_the_reference(world_size: int, group_size: int) -> None:
     per_rank = run_workers(_grouped_worker, world_size, group_size)
     mixed = 0  # cases where one group moved samples and another moved none (it joins phase 2 empty)
