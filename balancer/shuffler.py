@@ -242,8 +242,8 @@ class BatchShuffler(ShufflerBase):
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
         self._agreed: dict[str, Agreement] = {}  # background thread only
-        # Background thread only: (seq, plan digest[, lowest rank of the planning group]).
-        self._prev: dict[str, tuple[int, int] | tuple[int, int, int]] = {}
+        # Background thread only: (seq, plan digest, lowest rank of the planning group or -1).
+        self._prev: dict[str, tuple[int, int, int]] = {}
         self._worker: PartitionWorker | None = None
 
     def connect(self, pg: dist.ProcessGroup | None = None) -> None:
@@ -400,7 +400,7 @@ class BatchShuffler(ShufflerBase):
                 rows, agreed, members = self._gather_in_group(meta, groups, agreed)
             else:
                 for _ in range(2):
-                    msg, data = message(meta, agreed, self._prev.get(key, (-1, 0)))
+                    msg, data = message(meta, agreed, self._prev.get(key, (-1, 0, -1)))
                     rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_rows, msg, groups)
                     verdict = decide(rows[:, :HEADER_LEN], agreed)
                     if verdict.kind == "ok":
@@ -426,8 +426,7 @@ class BatchShuffler(ShufflerBase):
                 step = plan_step(**kwargs, fn=self.partition, localize=localize, lower_bound=lower_bound)
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
-            self._prev[key] = (meta.seq, step.digest) if members is None else (meta.seq, step.digest,
-                                                                                int(members[0]))
+            self._prev[key] = (meta.seq, step.digest, -1 if members is None else int(members[0]))
             if fit is not None:
                 fit.record(meta.seq, step.features)
             ex, stats, dest = step.exchange, step.stats, step.dest

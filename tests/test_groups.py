@@ -26,6 +26,7 @@ from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler
 from balancer.testing import WorkerError, run_workers, run_workers_outcomes
 from tests.reference import greedy, scale_free
+from tests.test_faults import TIMEOUT
 from tests.test_protocol import _headers
 from tests.test_shuffler import assert_identical, make_batch, rows, token_count
 
@@ -216,9 +217,6 @@ def test_bad_input_on_one_rank_raises_on_every_rank_with_groups() -> None:
         assert out[0] == out[2] == ("ok", "")
         assert out[1][0] == "ValueError" and out[1][1] == outs[0][1][1]
         assert "actual_batch_size=9, expected 0 <= actual_batch_size <= batch_size=6 (rank 2)" in out[1][1]
-
-
-TIMEOUT = 3.0
 
 
 def _stall_worker(rank: int, w: int) -> tuple[str, Any]:
