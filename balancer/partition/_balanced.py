@@ -52,7 +52,8 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
             is spent).
         deadline_ms: optional safety net: stop refining after this many
             milliseconds and return the best partition so far (the greedy
-            start always completes, and no swap raises the max). Ranks running
+            start always completes, and no swap raises the max; with
+            ``tokens`` the repair to ``max_tokens`` completes too). Ranks running
             at different speeds can then stop at different swaps and return
             *different* partitions, which breaks the shuffler's assumption that
             every rank computes the same one; leave it ``None`` there.
@@ -130,7 +131,7 @@ def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
     stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
     sol = solve(x, w, rtol, stop_at)
     if t is not None:
-        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens)
+        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens, stop_at)
     rows = np.sort(sol.order[sol.rows], axis=1)
     return rows
 

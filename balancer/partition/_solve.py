@@ -35,7 +35,7 @@ from balancer.partition._lpt import lpt
 from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
 from balancer.partition._rematch import rematch_columns
 
-__all__ = ["Solved", "solve"]
+__all__ = ["Solved", "late", "solve"]
 
 _LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
@@ -148,7 +148,7 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     large = int(v.size > _LARGE)
     if b <= _REMATCH_MAX_B:
         rematch_columns(v, rows, loads, target, min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w)), stop_at)
-        if loads.max() <= target or _late(stop_at):
+        if loads.max() <= target or late(stop_at):
             return
     steps, pair_steps = min(4 * w + 32, _POLISH_STEPS), _PAIR_STEPS
     if v.size >= _ROUNDS_MIN_ITEMS:
@@ -156,11 +156,12 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
                     stop_at, _ROUND_MIN_HEAVY[large])
     else:
         steps, pair_steps = _POLISH_STEPS_SMALL, _PAIR_STEPS_SMALL
-    if loads.max() > target and not _late(stop_at):
+    if loads.max() > target and not late(stop_at):
         polish(v, rows, loads, target, steps, _POLISH_ITEMS[large], stop_at)
-    if loads.max() > target and w <= _PAIR_MAX_PARTS and not _late(stop_at):
+    if loads.max() > target and w <= _PAIR_MAX_PARTS and not late(stop_at):
         polish_pairs(v, rows, loads, target, pair_steps)
 
 
-def _late(stop_at: float | None) -> bool:
+def late(stop_at: float | None) -> bool:
+    """Whether the optional ``time.perf_counter()`` deadline ``stop_at`` has passed."""
     return stop_at is not None and time.perf_counter() >= stop_at
