@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import inspect
 import json
 import os
 import platform
@@ -588,32 +589,58 @@ def token_instance(w: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return lens * lens + 256 * lens, lens
 
 
+def _gap_cells(gaps: list[float]) -> str:
+    """``median \\| worst | count within 1e-4`` table cells of compute gaps."""
+    return f"{statistics.median(gaps):.1e} \\| {max(gaps):.1e} | {sum(g <= 1e-4 for g in gaps)}/{len(gaps)}"
+
+
 def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
-           emit: Callable[[dict[str, Any]], None]) -> None:
-    """Compute (``L^2 + 256 L``) balanced, tokens (``L``) per part capped at ``cap * mean``."""
+           emit: Callable[[dict[str, Any]], None], before: Any = None) -> None:
+    """Compute (``L^2 + 256 L``) balanced, tokens (``L``) per part capped at ``cap * mean``;
+    with ``before`` (a package from :func:`load_before` with the token cap) its
+    partition of every instance runs beside ours."""
     print("\n## Compute and memory: Zipf(1.2) <= 4096 lengths, B = 32, compute L^2 + 256 L, "
           "tokens L\n")
-    print("| W | token cap | compute max/bound - 1 (median \\| worst) | tokens max/mean "
-          "(median \\| worst) | ms (median) |")
-    print("|---|---|---|---|---|")
+    if before is not None and "tokens" not in inspect.signature(before.balanced_partition).parameters:
+        before = None  # a commit before the token cap
+    runs: dict[str, Callable[..., Any]] = {"now": balanced_partition}
+    if before is not None:
+        runs["before"] = before.balanced_partition
+    head = ("| W | token cap | compute max/bound - 1 (median \\| worst) | within 1e-4 | tokens max/mean "
+            "(median \\| worst) | ms (median) |")
+    rule = "|---|---|---|---|---|---|"
+    if before is not None:
+        head += " before: compute (median \\| worst) | before: within 1e-4 | before: ms |"
+        rule += "---|---|---|"
+    print(head)
+    print(rule)
     for w in ws:
         for cap in caps:
-            gaps, ratios, secs = [], [], []
+            gaps: dict[str, list[float]] = {k: [] for k in runs}
+            secs: dict[str, list[float]] = {k: [] for k in runs}
+            ratios = []
             for seed in range(seeds):
                 x, lens = token_instance(w, seed)
                 kw = {} if cap is None else {"tokens": lens, "max_tokens": cap * lens.sum() / w}
-                t = time.perf_counter()
-                parts = balanced_partition(x, w, **kw)
-                secs.append(time.perf_counter() - t)
-                gaps.append(max_load(x, parts) / lower_bound(x, w) - 1)
-                tok = np.array([lens[p].sum() for p in parts])
-                ratios.append(float(tok.max() / tok.mean()))
-            emit({"kind": "tokens", "W": w, "B": TOKEN_B, "cap": cap, "gaps": gaps, "ratios": ratios,
-                  "time_ms": 1e3 * statistics.median(secs)})
-            print(f"| {w} | {'none' if cap is None else f'{cap:.2f} x mean'} | "
-                  f"{statistics.median(gaps):.1e} \\| {max(gaps):.1e} | "
-                  f"{statistics.median(ratios):.4f} \\| {max(ratios):.4f} | "
-                  f"{1e3 * statistics.median(secs):.1f} |", flush=True)
+                for name, run in runs.items():  # side by side, instance by instance
+                    t = time.perf_counter()
+                    parts = run(x, w, **kw)
+                    secs[name].append(time.perf_counter() - t)
+                    gaps[name].append(max_load(x, parts) / lower_bound(x, w) - 1)
+                    if name == "now":
+                        tok = np.array([lens[p].sum() for p in parts])
+                        ratios.append(float(tok.max() / tok.mean()))
+
+            emit({"kind": "tokens", "W": w, "B": TOKEN_B, "cap": cap, "gaps": gaps["now"], "ratios": ratios,
+                  "time_ms": 1e3 * statistics.median(secs["now"])}
+                 | ({} if before is None else {"before_gaps": gaps["before"],
+                                                "before_time_ms": 1e3 * statistics.median(secs["before"])}))
+            row = (f"| {w} | {'none' if cap is None else f'{cap:.2f} x mean'} | {_gap_cells(gaps['now'])} | "
+                   f"{statistics.median(ratios):.4f} \\| {max(ratios):.4f} | "
+                   f"{1e3 * statistics.median(secs['now']):.1f} |")
+            if before is not None:
+                row += f" {_gap_cells(gaps['before'])} | {1e3 * statistics.median(secs['before']):.1f} |"
+            print(row, flush=True)
 
 
 def main() -> None:
@@ -662,7 +689,7 @@ def main() -> None:
         if want("locality"):
             locality([(4, 128), (8, 128)], seeds, emit)
         if want("tokens"):
-            tokens((8, 16), 5, (None, 1.05, 1.01), emit)
+            tokens((8, 16), 5, (None, 1.05, 1.01), emit, before)
     else:
         if want("quality"):
             configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
@@ -679,7 +706,7 @@ def main() -> None:
         if want("locality"):
             locality([(4, 128), (4, 512), (8, 128), (8, 512)], seeds, emit)
         if want("tokens"):
-            tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit)
+            tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit, before)
     if out:
         out.close()
 
