@@ -221,7 +221,8 @@ def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch, f
 
 def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
     """Whether any rank still had data at this step (the same answer on every rank)."""
-    if sum(stats.real_before) > 0:  # some rank had a real sample: not exhausted
+    if sum(stats.world_real_before) > 0:  # some rank had a real sample: not exhausted
+        # (every rank of the job: with group_size, real_before covers the group only)
         return True
     # No real sample anywhere: the end of the pass, or every rank's loader gave
     # a batch of padding only. One flag from every rank decides.

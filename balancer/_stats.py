@@ -62,6 +62,12 @@ class ShuffleStats:
             (``load_*``, ``real_*``, ``tokens_*``), the balance numbers and
             ``moved_fraction`` then cover the group, in this order. Empty:
             all W ranks, rank r at index r.
+        world_load_before, world_real_before: [W] load and real samples of
+            every rank's input batch, rank r at index r, also with
+            ``group_size`` (then from the headers every rank gathers); without
+            it equal to ``load_before`` and ``real_before``. Whether any rank
+            of the job had data, or the job's imbalance before the shuffle,
+            reads from these.
     """
 
     seq: int
@@ -93,6 +99,8 @@ class ShuffleStats:
     tokens_after: list[int] = dataclasses.field(default_factory=list)
     token_cap: float | None = None
     group: list[int] = dataclasses.field(default_factory=list)
+    world_load_before: list[float] = dataclasses.field(default_factory=list)
+    world_real_before: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance_before(self) -> float:
@@ -152,7 +160,7 @@ def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: 
         real_before=[int(v) for v in real],
         real_after=[int(v) for v in np.bincount(dest[is_real], minlength=w)] if b else [0] * w,
         tokens_before=_per_rank(tokens, None, w, b), tokens_after=_per_rank(tokens, dest, w, b),
-        token_cap=token_cap,
+        token_cap=token_cap, world_load_before=[float(v) for v in before], world_real_before=[int(v) for v in real],
     )
 
 

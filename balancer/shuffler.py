@@ -59,7 +59,7 @@ from balancer._exchange import Traffic
 from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
-from balancer._header import HEADER_LEN
+from balancer._header import H_REAL, HEADER_LEN
 from balancer._layout import WireLayout, fingerprint
 from balancer._protocol import LocalMeta, batch_mismatch, capture, layout_description, message
 from balancer._stats import ShuffleStats, build_stats
@@ -396,8 +396,9 @@ class BatchShuffler(ShufflerBase):
             key = groups.name
             agreed = self._agreed.get(key)
             members = None  # the ranks of this rank's group (group_size), ascending
+            heads = None  # with members: every rank's header and load
             if self.group_size is not None and groups.world_size > self.group_size:
-                rows, agreed, members = self._gather_in_group(meta, groups, agreed)
+                rows, agreed, members, heads = self._gather_in_group(meta, groups, agreed)
             else:
                 for _ in range(2):
                     msg, data = message(meta, agreed, self._prev.get(key, (-1, 0, -1)))
@@ -437,20 +438,25 @@ class BatchShuffler(ShufflerBase):
                 if ex is not None:
                     ex = dataclasses.replace(ex, send_splits=widen_splits(ex.send_splits, members, w),
                                              recv_splits=widen_splits(ex.recv_splits, members, w))
-                stats = dataclasses.replace(stats, world_size=w, rank=groups.rank, group=members.tolist())
+                assert heads is not None, "gathered with the members"
+                stats = dataclasses.replace(
+                    stats, world_size=w, rank=groups.rank, group=members.tolist(),
+                    world_load_before=[float(v) for v in heads[:, HEADER_LEN].copy().view(np.float64)],
+                    world_real_before=[int(v) for v in heads[:, H_REAL]])
                 dest = members[dest]
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
             return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None)
 
     def _gather_in_group(self, meta: LocalMeta, groups: ShuffleGroups,
-                         agreed: Agreement | None) -> tuple[np.ndarray, Agreement, np.ndarray]:
+                         agreed: Agreement | None) -> tuple[np.ndarray, Agreement, np.ndarray, np.ndarray]:
         """Phase 1 with ``group_size``: every rank's header and load, the verdict,
         the groups, then the full messages within this rank's group.
 
         Returns:
             The group's messages ``[G, len]`` (row i from ``members[i]``), the
-            agreement and the members (ascending).
+            agreement, the members (ascending) and every rank's header with
+            its load (float64 bits) after it, ``[W, HEADER_LEN + 1]``.
         """
         key = groups.name
         prev = self._prev.get(key, (-1, 0, -1))
@@ -470,7 +476,7 @@ class BatchShuffler(ShufflerBase):
         loads = heads[:, HEADER_LEN].copy().view(np.float64)
         members = members_of(form_groups(loads, self.group_size), groups.rank)
         rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_group, msg, members, groups)
-        return rows, agreed, members
+        return rows, agreed, members, heads
 
     def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
         """Rows of the lengths matrix that make up L for calibration (None: all)."""

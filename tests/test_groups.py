@@ -19,16 +19,21 @@ import pytest
 from balancer._agreement import Agreement, decide, describe_failure
 from balancer._groups import form_groups, group_message_words, members_of, widen_splits
 from balancer._header import H_PREV_DIGEST, H_PREV_GROUP, H_PREV_SEQ, HEADER_LEN
+from balancer.batch import pad_batch
 from balancer.config import BalancerConfig
 from balancer.errors import ShuffleAbortedError
 from balancer.loader import BalancedLoader
 from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler
-from balancer.testing import WorkerError, run_workers, run_workers_outcomes
+from balancer.testing import HostReadRecorder, WorkerError, run_workers, run_workers_outcomes
 from tests.reference import greedy, scale_free
 from tests.test_faults import TIMEOUT
+from tests.test_loader import FAST, Source, check_batch, padding, real_ids
+from tests.test_loader import B as LOADER_B
+from tests.test_loader import cost as loader_cost
 from tests.test_protocol import _headers
 from tests.test_shuffler import assert_identical, make_batch, rows, token_count
+from tests.test_tokens import token_batch, token_rows
 
 
 # ------------------------------------------------------------------ pure parts
@@ -168,6 +173,9 @@ def test_grouped_shuffles_match_the_reference(world_size: int, group_size: int) 
                 assert all(group_of[where[row]] == group_of[r] for row in mine), (case, r)  # never leaves
                 assert st["max_after"] <= st["max_before"] + 1e-9
                 assert st["load_after"][st["group"].index(r)] == float(sum(cost[row] for row in mine))
+                # the job's view, from every rank's header: each rank's real samples and load
+                assert st["world_real_before"] == [d["real"] for d in ins], (case, r)
+                assert st["world_load_before"] == [float(sum(d["workloads"][: d["real"]])) for d in ins]
                 if variant == "blind":
                     assert o["rows"][: o["real"]] == expected[r], (case, r)
             for g in groups:
@@ -187,7 +195,8 @@ def _same_as_global_worker(rank: int, w: int) -> list[bool]:
         a, h = plain.shuffle(batch), wide.start_shuffle_async(batch)
         bb = wide.finish_shuffle(batch, h)
         assert_identical(a, bb)
-        same.append(h.stats.group == [])
+        same.append(h.stats.group == [] and h.stats.world_load_before == h.stats.load_before
+                    and h.stats.world_real_before == h.stats.real_before)
     return same
 
 
@@ -276,3 +285,62 @@ def test_phase_one_receives_headers_and_the_group_only() -> None:
     assert counts == [group_message_words(w, 2, HEADER_LEN, payload)] * w
     # against a global all-gather: (W - 1) full messages
     assert counts[0] < (w - 1) * (HEADER_LEN + payload)
+
+
+# ------------------------------------------- the loader and token batches
+def sample_rank(sid: int) -> int:
+    """The rank a ``tests.test_loader`` sample id was drawn on."""
+    return sid % 1_000_000 // 10_000
+
+
+def _loader_and_tokens_worker(rank: int, w: int) -> dict[str, Any]:
+    # BalancedLoader(group_size=2) against the shuffler with the same groups,
+    # step by step (as tests/test_loader.py checks the global loader).
+    src = Source(rank, [5, 3, 4, 2][rank : rank + 1])
+    out: dict[str, Any] = {"loader": [], "source": [], "tokens": []}
+    with BalancedLoader(src, loader_cost, group_size=2, **FAST) as loader:
+        got = [(check_batch(b), loader.stats) for b in loader]
+    ref = BatchShuffler(loader_cost, group_size=2, executor="thread")
+    batches = list(src)
+    out["source"] = real_ids(batches)
+    for step, (ids, stats) in enumerate(got):
+        x = pad_batch(batches[step], LOADER_B) if step < len(batches) else padding()
+        h = ref.start_shuffle_async(x)
+        assert check_batch(ref.finish_shuffle(x, h)) == ids, step
+        assert stats is not None and (h.stats.group, h.stats.load_after) == (stats.group, stats.load_after)
+        out["loader"].append((ids, stats.group))
+    ref.close()
+    # Token batches, padded and packed, grouped: no host read on the caller's thread.
+    cost = lambda b: b.seq_lens.double() ** 2 + 1  # noqa: E731
+    for packed in (False, True):
+        s = BatchShuffler(cost, group_size=2)
+        for case in range(4):
+            batch = token_batch(rank, 6, [6, 2, 0, 6][case] if rank == 3 else 6, seed=30 + case,
+                                packed=packed, max_len=4 + 4 * rank)
+            with HostReadRecorder() as reads:
+                h = s.start_shuffle_async(batch)
+                got_t = s.finish_shuffle(batch, h)
+            assert reads.calls == [], reads.calls
+            out["tokens"].append((token_rows(batch), token_rows(got_t), h.stats.group,
+                                  h.stats.max_before, h.stats.max_after))
+        s.close()
+    return out
+
+
+def test_loader_and_token_batches_balance_within_groups() -> None:
+    w = 4
+    outs = run_workers(_loader_and_tokens_worker, w, timeout=120)
+    # The loader: every drawn sample exactly once, never outside the group it was drawn in.
+    drawn = sorted(i for o in outs for i in o["source"])
+    assert sorted(i for o in outs for ids, _ in o["loader"] for i in ids) == drawn
+    for r, o in enumerate(outs):
+        for ids, group in o["loader"]:
+            assert r in group and len(group) == 2
+            assert all(sample_rank(i) in group for i in ids), (r, group, ids)
+    # Token batches: the same, from the sample ids carried in the tokens.
+    for case in range(len(outs[0]["tokens"])):
+        runs = [o["tokens"][case] for o in outs]
+        assert Counter(x for run in runs for x in run[0]) == Counter(x for run in runs for x in run[1])
+        for r, (_, after, group, max_before, max_after) in enumerate(runs):
+            assert r in group and max_after <= max_before + 1e-9
+            assert all((int(row[1][0][1][0]) - 1) // 1000 in group for row in after), (case, r)  # reward: id
