@@ -235,7 +235,7 @@ class _IterFails:
         raise OSError("shard file not found")
 
 
-def _error_worker(rank: int, w: int) -> dict[str, Any]:
+def _error_worker(rank: int, w: int, group_size: int | None) -> dict[str, Any]:
     odd = rank == w - 1
     src = Source(rank, [4])
     cases = {
@@ -248,16 +248,17 @@ def _error_worker(rank: int, w: int) -> dict[str, Any]:
     }
     out = {}
     for name, source in cases.items():
-        with BalancedLoader(source, cost, timeout=30.0, **FAST) as loader:
+        with BalancedLoader(source, cost, timeout=30.0, group_size=group_size, **FAST) as loader:
             out[name] = _outcome(loader)
-    with BalancedLoader(src, cost, **FAST) as loader:
+    with BalancedLoader(src, cost, group_size=group_size, **FAST) as loader:
         out["after"] = _outcome(loader)
     return out
 
 
-def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank() -> None:
+@pytest.mark.parametrize("group_size", [None, 2])  # 2: groups of 2 and 1 ranks
+def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank(group_size: int | None) -> None:
     w = 3
-    outs = run_workers(_error_worker, w, timeout=120)
+    outs = run_workers(_error_worker, w, group_size, timeout=120)
     expect = {
         "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError at step 1: "
                          "'sample file",
