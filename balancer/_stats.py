@@ -113,6 +113,12 @@ class ShuffleStats:
         return self.max_after / self.mean_after if self.mean_after else 1.0
 
     @property
+    def world_imbalance_before(self) -> float:
+        """Max/mean of ``world_load_before``: the whole job's imbalance before
+        the shuffle, also with ``group_size`` (1.0 when idle)."""
+        return _ratio(self.world_load_before)
+
+    @property
     def token_imbalance_before(self) -> float:
         """Max/mean tokens per rank in the input batches (1.0 when empty)."""
         return _ratio(self.tokens_before)
@@ -175,15 +181,18 @@ def _per_rank(tokens: np.ndarray | None, dest: np.ndarray | None, w: int, b: int
     return [int(v) for v in per]
 
 
-def _ratio(per_rank: list[int]) -> float:
+def _ratio(per_rank: list[int] | list[float]) -> float:
     mean = sum(per_rank) / len(per_rank) if per_rank else 0.0
     return max(per_rank) / mean if mean else 1.0
 
 
 def format_stats(s: ShuffleStats) -> str:
     """One log line for ``s``."""
+    scope = f"W={s.world_size}"
+    if s.group:  # the balance numbers below are the group's
+        scope += f", group of {len(s.group)}, job imbalance before {s.world_imbalance_before:.3f}"
     return (
-        f"shuffle #{s.seq} ({s.comm}, W={s.world_size}): max/mean load "
+        f"shuffle #{s.seq} ({s.comm}, {scope}): max/mean load "
         f"{s.max_before:.4g}/{s.mean_before:.4g} -> {s.max_after:.4g}/{s.mean_after:.4g} "
         f"(imbalance {s.imbalance_before:.3f} -> {s.imbalance_after:.3f}, lower bound "
         f"{s.lower_bound:.4g}); moved {100 * s.moved_fraction:.1f}% of samples; rank {s.rank} "

@@ -19,6 +19,7 @@ import pytest
 from balancer._agreement import Agreement, decide, describe_failure
 from balancer._groups import form_groups, group_message_words, members_of, widen_splits
 from balancer._header import H_PREV_DIGEST, H_PREV_GROUP, H_PREV_SEQ, HEADER_LEN
+from balancer._stats import format_stats
 from balancer.batch import pad_batch
 from balancer.config import BalancerConfig
 from balancer.errors import ShuffleAbortedError
@@ -126,7 +127,8 @@ def _grouped_worker(rank: int, w: int, group_size: int) -> list[dict[str, Any]]:
             handle = shuffler.start_shuffle_async(batch)
             out = shuffler.finish_shuffle(batch, handle)
             res[name] = dict(rows=rows(out), real=int(out.actual_batch_size or 0),
-                             stats=dataclasses.asdict(handle.stats))
+                             stats=dataclasses.asdict(handle.stats), log=format_stats(handle.stats),
+                             job_imbalance=handle.stats.world_imbalance_before)
         results.append(res)
     for s in grouped.values():
         s.close()
@@ -176,6 +178,10 @@ def test_grouped_shuffles_match_the_reference(world_size: int, group_size: int) 
                 # the job's view, from every rank's header: each rank's real samples and load
                 assert st["world_real_before"] == [d["real"] for d in ins], (case, r)
                 assert st["world_load_before"] == [float(sum(d["workloads"][: d["real"]])) for d in ins]
+                job = st["world_load_before"]
+                ratio = max(job) * world_size / sum(job) if sum(job) else 1.0
+                assert o["job_imbalance"] == pytest.approx(ratio)
+                assert f"W={world_size}, group of {len(st['group'])}, job imbalance before {ratio:.3f}" in o["log"]
                 if variant == "blind":
                     assert o["rows"][: o["real"]] == expected[r], (case, r)
             for g in groups:
