@@ -219,7 +219,7 @@ def polish_capped(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np
     """Lower the max compute load towards ``target``, every part staying ``<= cap`` tokens
     (until ``stop_at``, a ``time.perf_counter()`` deadline, if given)."""
     tsum = tok[rows].sum(axis=1)
-    one = 1.0 if vals.dtype.kind != "f" else 0.0
+    one = 1.0 if vals.dtype.kind != "f" else float(np.spacing(loads.max()))  # float: the least change that counts
     budget = [_RELAY_SEARCHES]
     for _ in range(max_steps):
         p = int(np.argmax(loads))
