@@ -23,7 +23,7 @@ import torch.distributed as dist
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors
 from balancer._layout import WireLayout
-from balancer._protocol import LocalMeta, message
+from balancer._protocol import NO_PREV, LocalMeta, message
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer.batch import BaseBatch
 from balancer.tokens import TokenBatch
@@ -176,7 +176,7 @@ class ShufflerBase:
 
     def _local_job(self, meta: LocalMeta, comm: str) -> Outcome:
         """Background work of a shuffle that communicates nothing (W == 1, identity)."""
-        _, data = message(meta, meta.agreement(), (-1, 0))
+        _, data = message(meta, meta.agreement(), NO_PREV)
         if meta.status or data is None:
             raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
                              f"rank(s) [0]: {meta.error}") from meta.cause

@@ -58,8 +58,12 @@ from balancer._layout import (
 from balancer._limits import MAX_LENGTH
 
 __all__ = [
-    "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix", "message",
+    "NO_PREV", "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",
+    "message",
 ]
+
+# ``message``'s ``prev`` before a shuffler's first plan: no shuffle, no digest, no planning group.
+NO_PREV = (-1, 0, -1)
 
 
 class Status:
@@ -179,16 +183,16 @@ class LocalData:
 
 
 def message(meta: LocalMeta, agreed: Agreement | None,
-            prev: tuple[int, int] | tuple[int, int, int]) -> tuple[np.ndarray, LocalData | None]:
+            prev: tuple[int, int, int]) -> tuple[np.ndarray, LocalData | None]:
     """The int64 message of ``meta`` under ``agreed`` (background thread).
 
     Waits for the device copy, checks the values, and returns the message and
     this rank's data (``None`` when unusable).
 
     Args:
-        prev: ``(seq, plan digest)`` of this shuffler's previous shuffle, or
-            ``(-1, 0)``; with a third entry, the lowest rank of the group that
-            planned it (``group_size``; default -1: all ranks).
+        prev: ``(seq, plan digest, lowest rank of the group that planned
+            it)`` of this shuffler's previous shuffle (the group -1: every
+            rank planned it, no ``group_size``), or :data:`NO_PREV`.
     """
     data = None
     detail, bad_value = -1, 0
@@ -211,7 +215,7 @@ def message(meta: LocalMeta, agreed: Agreement | None,
                            agreed.batch_size if agreed else 0, agreed.num_lengths if agreed else 0, bad_value,
                            meta.pad_len, meta.measured[0]]
     msg[H_MEAS_TIME] = np.array(meta.measured[1], np.float64).view(np.int64)
-    msg[H_PREV_GROUP] = prev[2] if len(prev) > 2 else -1
+    msg[H_PREV_GROUP] = prev[2]
     usable = data is not None and meta.status == 0 and agreed == meta.agreement()
     if usable:
         assert data is not None and agreed is not None, "usable implies both"

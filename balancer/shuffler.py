@@ -61,7 +61,14 @@ from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
 from balancer._header import H_REAL, HEADER_LEN
 from balancer._layout import WireLayout, fingerprint
-from balancer._protocol import LocalMeta, batch_mismatch, capture, layout_description, message
+from balancer._protocol import (
+    NO_PREV,
+    LocalMeta,
+    batch_mismatch,
+    capture,
+    layout_description,
+    message,
+)
 from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
 from balancer._version import __version__
@@ -396,12 +403,12 @@ class BatchShuffler(ShufflerBase):
             key = groups.name
             agreed = self._agreed.get(key)
             members = None  # the ranks of this rank's group (group_size), ascending
-            heads = None  # with members: every rank's header and load
+            job: tuple[np.ndarray, np.ndarray] | None = None  # with members: every rank's load and real count
             if self.group_size is not None and groups.world_size > self.group_size:
-                rows, agreed, members, heads = self._gather_in_group(meta, groups, agreed)
+                rows, agreed, members, job = self._gather_in_group(meta, groups, agreed)
             else:
                 for _ in range(2):
-                    msg, data = message(meta, agreed, self._prev.get(key, (-1, 0, -1)))
+                    msg, data = message(meta, agreed, self._prev.get(key, NO_PREV))
                     rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_rows, msg, groups)
                     verdict = decide(rows[:, :HEADER_LEN], agreed)
                     if verdict.kind == "ok":
@@ -438,28 +445,27 @@ class BatchShuffler(ShufflerBase):
                 if ex is not None:
                     ex = dataclasses.replace(ex, send_splits=widen_splits(ex.send_splits, members, w),
                                              recv_splits=widen_splits(ex.recv_splits, members, w))
-                assert heads is not None, "gathered with the members"
-                stats = dataclasses.replace(
-                    stats, world_size=w, rank=groups.rank, group=members.tolist(),
-                    world_load_before=[float(v) for v in heads[:, HEADER_LEN].copy().view(np.float64)],
-                    world_real_before=[int(v) for v in heads[:, H_REAL]])
+                assert job is not None, "gathered with the members"
+                stats = dataclasses.replace(stats, world_size=w, rank=groups.rank, group=members.tolist(),
+                                            world_load_before=job[0].tolist(), world_real_before=job[1].tolist())
                 dest = members[dest]
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
             return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None)
 
     def _gather_in_group(self, meta: LocalMeta, groups: ShuffleGroups,
-                         agreed: Agreement | None) -> tuple[np.ndarray, Agreement, np.ndarray, np.ndarray]:
+                         agreed: Agreement | None
+                         ) -> tuple[np.ndarray, Agreement, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Phase 1 with ``group_size``: every rank's header and load, the verdict,
         the groups, then the full messages within this rank's group.
 
         Returns:
             The group's messages ``[G, len]`` (row i from ``members[i]``), the
-            agreement, the members (ascending) and every rank's header with
-            its load (float64 bits) after it, ``[W, HEADER_LEN + 1]``.
+            agreement, the members (ascending), and every rank's load
+            (float64 ``[W]``) and real samples (int64 ``[W]``) from the headers.
         """
         key = groups.name
-        prev = self._prev.get(key, (-1, 0, -1))
+        prev = self._prev.get(key, NO_PREV)
         msg, data = message(meta, agreed, prev)
         total = float(data.workloads.sum()) if data is not None else 0.0
         head = np.append(msg[:HEADER_LEN], np.array([total], np.float64).view(np.int64))
@@ -476,7 +482,7 @@ class BatchShuffler(ShufflerBase):
         loads = heads[:, HEADER_LEN].copy().view(np.float64)
         members = members_of(form_groups(loads, self.group_size), groups.rank)
         rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_group, msg, members, groups)
-        return rows, agreed, members, heads
+        return rows, agreed, members, (loads, heads[:, H_REAL].copy())
 
     def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
         """Rows of the lengths matrix that make up L for calibration (None: all)."""

@@ -45,7 +45,7 @@ from _e2e_common import sample_lengths  # noqa: E402
 
 from balancer._groups import form_groups, group_message_words  # noqa: E402
 from balancer._header import HEADER_LEN  # noqa: E402
-from balancer._protocol import capture, message  # noqa: E402
+from balancer._protocol import NO_PREV, capture, message  # noqa: E402
 from balancer.batch import BaseBatch  # noqa: E402
 from balancer.partition import balanced_partition, lower_bound  # noqa: E402
 from balancer.partition._balanced import partition_rows  # noqa: E402
@@ -70,7 +70,7 @@ def _check_formula() -> None:
 
     batch = make_batch(0, 32, 32, seed=0)
     meta = capture(batch, token_count, seq=0, rank=0, config=0, base_type=BaseBatch)
-    msg, _ = message(meta, meta.agreement(), (-1, 0))
+    msg, _ = message(meta, meta.agreement(), NO_PREV)
     assert msg.nbytes == message_bytes(32, meta.num_lengths), (msg.nbytes, meta.num_lengths)
 
 

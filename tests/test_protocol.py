@@ -21,7 +21,7 @@ from balancer._header import (
     HEADER_LEN,
     MAGIC,
 )
-from balancer._protocol import Status, capture, message
+from balancer._protocol import NO_PREV, Status, capture, message
 from balancer.batch import BaseBatch
 from tests.test_shuffler import make_batch, token_count
 
@@ -102,7 +102,7 @@ def test_capture_and_message_round_trip() -> None:
     meta = capture(batch, lambda b: token_count(b).double() * 1e-3, seq=5, rank=1, config=9, base_type=BaseBatch)
     assert meta.status == 0 and meta.error == ""
     a = meta.agreement()
-    msg, data = message(meta, a, (4, 123))
+    msg, data = message(meta, a, (4, 123, -1))
     assert msg.size == HEADER_LEN + payload_words(a)
     assert (msg[H_SEQ], msg[H_PREV_SEQ], msg[H_PREV_DIGEST], msg[H_CONFIG]) == (5, 4, 123, 9)
     assert data is not None
@@ -112,7 +112,7 @@ def test_capture_and_message_round_trip() -> None:
     assert msg[HEADER_LEN : HEADER_LEN + 6].view(np.float64).tolist() == want.tolist()
     # Under another agreement the payload is zero and sized from that agreement.
     other = Agreement(9, 3, 0)
-    msg, _ = message(meta, other, (-1, 0))
+    msg, _ = message(meta, other, NO_PREV)
     assert msg.size == HEADER_LEN + payload_words(other) and not msg[HEADER_LEN:].any()
 
 
@@ -126,18 +126,18 @@ def test_bad_input_becomes_a_status_not_an_exception() -> None:
     }
     for name, (fn, status, text) in cases.items():
         meta = capture(batch, fn, seq=0, rank=2, config=0, base_type=BaseBatch)
-        msg, data = message(meta, meta.agreement(), (-1, 0))
+        msg, data = message(meta, meta.agreement(), NO_PREV)
         assert msg[H_STATUS] & status and data is None, name
         assert text in meta.error and "(rank 2)" in meta.error, (name, meta.error)
     # NaN in a padding sample is not an error (padding is never read).
     meta = capture(batch, lambda b: torch.tensor([1.0] * 5 + [float("nan")]), seq=0, rank=0, config=0,
                    base_type=BaseBatch)
-    assert message(meta, meta.agreement(), (-1, 0))[0][H_STATUS] == 0
+    assert message(meta, meta.agreement(), NO_PREV)[0][H_STATUS] == 0
     # Values that do not match their lengths are caught where the lengths are on the host.
     broken = make_batch(0, 6, 5, seed=3)
     object.__setattr__(broken.extra, "_values", broken.extra.values()[:-1])
     meta = capture(broken, token_count, seq=0, rank=0, config=0, base_type=BaseBatch)
-    msg, _ = message(meta, meta.agreement(), (-1, 0))
+    msg, _ = message(meta, meta.agreement(), NO_PREV)
     assert msg[H_STATUS] & Status.BAD_LENGTHS and "extra.values has" in meta.error
     meta = capture(object(), token_count, seq=0, rank=3, config=0, base_type=BaseBatch)
     assert meta.status == Status.BAD_INPUT and "batch is a object, expected a BaseBatch (rank 3)" in meta.error
