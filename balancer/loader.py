@@ -31,7 +31,8 @@ at the first step at which every rank was exhausted. Ranks learn it from the
 step's shuffle: if any rank had a real sample of positive cost
 (``ShuffleStats.world_real_before``: every rank's, also with ``group_size``)
 the epoch goes on; otherwise (typically once per epoch) one all-reduce of a
-flag, in the background thread on a gloo group of the loader's own, decides. Every rank yields the same number of batches.
+flag, in the background thread on a gloo group of the loader's own, decides.
+Every rank yields the same number of batches.
 
 Failures. Bad input on one rank (layout, batch size, workloads) raises the
 shuffler's ``ValueError`` on every rank; an exception of one rank's loader is

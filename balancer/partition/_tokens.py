@@ -40,7 +40,7 @@ two-for-two swaps rarely undo. Measured (``bench_partition.py --only tokens``,
 5.0e-3 -> 4.0e-3 (12), 2.3e-3 -> 1.9e-3 (16); at 1.02x W = 16 8.4e-4 -> 9.3e-6.
 Relays (same benchmark): instances within 1e-4 at 1.01x / 1.02x went from
 6 / 10 to 7 / 10 of 20 (W = 8), 3 / 5 to 4 / 7 (12) and 8 / 11 to 9 / 12 (16),
-never worse, for 5-60 ms more (median). On W = 8 seed 2 an exact solver finds
+never worse, for 6-56 ms more (median). On W = 8 seed 2 an exact solver finds
 9.5e-5, which polish alone missed (4.0e-4) and the relay reaches (6.0e-5).
 
 Deterministic: candidates in index order, ties to the first.
