@@ -23,7 +23,7 @@ from balancer.partition import (
     lower_bound,
     partition_stats,
 )
-from balancer.partition._tokens import deal_by_room
+from balancer.partition._tokens import _wide_single, deal_by_room
 from tests.reference import greedy
 
 
@@ -591,6 +591,65 @@ def test_relay_reaches_the_compute_bound_where_polish_stops(w: int, seed: int, s
         _check_parts(parts, x.size, w)
         assert max(int(lens[p].sum()) for p in parts) <= cap
         assert _max_load(costs, parts) <= lower_bound(costs, w) * (1 + 1e-4), costs.dtype
+
+
+@pytest.mark.parametrize(("w", "seed", "slack", "limit"), [(32, 4, 1.02, 2e-4), (64, 0, 1.02, 2e-4)])
+def test_wide_search_goes_on_where_relays_stop(w: int, seed: int, slack: float, limit: float) -> None:
+    # Past W ~ 32 the partner with a fitting swap often sits beyond the ~6
+    # that polish and relays search: without the wide search
+    # (_WIDE_SEARCHES = 0) these end 7.9e-4 and 1.2e-3 above the bound.
+    x, lens = _zipf_tokens(w, seed)
+    cap = slack * lens.sum() / w
+    parts = balanced_partition(x, w, tokens=lens, max_tokens=cap)
+    _check_parts(parts, x.size, w)
+    assert max(int(lens[p].sum()) for p in parts) <= cap
+    assert _max_load(x, parts) <= lower_bound(x, w) * (1 + limit)
+
+
+@pytest.mark.parametrize("floats", [False, True])
+def test_wide_single_is_the_best_single_swap(floats: bool) -> None:
+    # Against every single swap of the heaviest part with every lighter part,
+    # enumerated one by one: the lowest pair max, both parts within the cap.
+    rng = np.random.default_rng(7)
+    found = 0
+    for trial in range(40):
+        w, b = int(rng.integers(8, 40)), int(rng.integers(1, 12))
+        lens = rng.integers(1, 60, w * b)
+        vals = lens * lens + 16 * lens
+        vals = vals / 3.0 if floats else vals
+        order = np.argsort(vals, kind="stable")
+        v, tok = vals[order], lens[order]
+        rows = np.sort(rng.permutation(w * b).reshape(w, b), axis=1)
+        loads, tsum = v[rows].sum(axis=1), tok[rows].sum(axis=1)
+        cap = float(np.quantile(tsum, 0.7)) + float(rng.integers(0, 20))
+        p = int(np.argmax(loads))
+        one = float(np.spacing(loads.max())) if floats else 1.0
+        best = None
+        for q in sorted(range(w), key=lambda r: (loads[r], r)):
+            if loads[q] >= loads[p] - one:
+                continue
+            for i in range(b):
+                for j in range(b):
+                    dc = v[rows[p, i]] - v[rows[q, j]]
+                    dt = tok[rows[p, i]] - tok[rows[q, j]]
+                    if (dc >= one and loads[q] + dc <= loads[p] - one
+                            and tsum[p] - dt <= cap and tsum[q] + dt <= cap):
+                        s = max(loads[p] - dc, loads[q] + dc)
+                        if best is None or s < best[0]:
+                            best = (s, q, i, j)
+        got = _wide_single(v, tok, rows, loads, tsum, cap, p, one)
+        if best is None:
+            assert got is None, trial
+            continue
+        assert got is not None, trial
+        s, (gp, gq, (gi,), (gj,)) = got
+        assert gp == p and s == best[0], trial
+        dc = v[rows[p, gi]] - v[rows[gq, gj]]
+        dt = tok[rows[p, gi]] - tok[rows[gq, gj]]
+        assert max(loads[p] - dc, loads[gq] + dc) == best[0], trial
+        assert tsum[p] - dt <= cap and tsum[gq] + dt <= cap, trial
+        found += 1
+    assert found >= 20, "most trials have a swap to find"
 
 
 def test_token_cap_deadline_keeps_the_cap() -> None:
