@@ -25,7 +25,8 @@ header line with hardware, versions and load) to ``--json-out``:
    slowdown and partition latency alone vs under contention;
 5. locality: fraction of samples (and bytes) that move between ranks with a
    placement-blind assignment vs ``localize``;
-6. compute and memory: compute balanced with a cap on tokens per rank.
+6. compute and memory: compute balanced with a cap on tokens per rank (W = 8-16,
+   20 seeds; W = 32-128, 5 seeds).
 
 The ``--before`` reference is loaded from git (``git show``) into a temporary
 package, so both versions run in one process.
@@ -595,12 +596,12 @@ def _gap_cells(gaps: list[float]) -> str:
 
 
 def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
-           emit: Callable[[dict[str, Any]], None], before: Any = None) -> None:
+           emit: Callable[[dict[str, Any]], None], before: Any = None, title: str = "") -> None:
     """Compute (``L^2 + 256 L``) balanced, tokens (``L``) per part capped at ``cap * mean``;
     with ``before`` (a package from :func:`load_before` with the token cap) its
     partition of every instance runs beside ours."""
-    print("\n## Compute and memory: Zipf(1.2) <= 4096 lengths, B = 32, compute L^2 + 256 L, "
-          "tokens L\n")
+    print(f"\n## Compute and memory{title}: Zipf(1.2) <= 4096 lengths, B = 32, compute L^2 + 256 L, "
+          f"tokens L, {seeds} seeds\n")
     if before is not None and "tokens" not in inspect.signature(before.balanced_partition).parameters:
         before = None  # a commit before the token cap
     runs: dict[str, Callable[..., Any]] = {"now": balanced_partition}
@@ -707,6 +708,7 @@ def main() -> None:
             locality([(4, 128), (4, 512), (8, 128), (8, 512)], seeds, emit)
         if want("tokens"):
             tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit, before)
+            tokens((32, 64, 128), 5, (None, 1.05, 1.03, 1.02, 1.01), emit, before, ", more ranks")
     if out:
         out.close()
 
