@@ -335,8 +335,8 @@ def _wide_single(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.
     of ``q``'s sorted row, found for every ``(q, i)`` with one
     ``searchsorted`` over the rows laid end to end (each offset past the one
     before), so the work is the candidates in the window, not ``W x B^2``.
-    Ties go to the first candidate (lighter-first order of ``q``'s index, then
-    items).
+    Ties go to the first candidate: partners by index, then items of ``p``,
+    then items of the partner.
     """
     b = rows.shape[1]
     lp = float(loads[p])
@@ -364,7 +364,8 @@ def _wide_single(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.
     kq, i = src // b, src % b
     dc = cp[i] - cq.ravel()[j]
     dt = tp[i] - tok[rows[q].ravel()[j]].astype(np.float64)
-    # Re-checked exactly: the offsets can blur a window's ends in float64.
+    # Re-checked exactly: with float costs the offsets can blur a window's ends
+    # (a swap right at an end may be missed; none outside is taken).
     ok = ((dc >= one) & (lq[kq] + dc <= lp - one) & (dt >= float(tsum[p] - cap))
           & (dt <= (cap - tsum[q]).astype(np.float64)[kq]))
     if not ok.any():
