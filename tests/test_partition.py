@@ -625,7 +625,7 @@ def test_wide_single_is_the_best_single_swap(floats: bool) -> None:
         p = int(np.argmax(loads))
         one = float(np.spacing(loads.max())) if floats else 1.0
         best = None
-        for q in sorted(range(w), key=lambda r: (loads[r], r)):
+        for q in range(w):
             if loads[q] >= loads[p] - one:
                 continue
             for i in range(b):

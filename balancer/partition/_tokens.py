@@ -231,14 +231,15 @@ def polish_capped(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np
     tsum = tok[rows].sum(axis=1)
     one = 1.0 if vals.dtype.kind != "f" else float(np.spacing(loads.max()))  # float: the least change that counts
     budget = [_RELAY_SEARCHES]
-    wide = False  # polish and relays stalled once: the wide search goes first from then on
+    # Wide searches so far. The first runs where polish and relays stall, and
+    # polish goes on only if it found a move; from then on it goes first.
     searches = 0
     for _ in range(max_steps):
         p = int(np.argmax(loads))
         if loads[p] <= target or late(stop_at):
             return
         move = None
-        if wide and searches < _WIDE_SEARCHES:
+        if 0 < searches < _WIDE_SEARCHES:
             searches += 1
             move = _wide_single(vals, tok, rows, loads, tsum, cap, p, one)
         for q in ([] if move is not None else _partners(loads, p)):
@@ -252,13 +253,12 @@ def polish_capped(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np
         if move is None:
             if _relay(vals, tok, rows, loads, tsum, cap, p, one, budget):
                 continue
-            if wide or searches >= _WIDE_SEARCHES or rows.shape[0] <= _PARTNERS + 1:
+            if searches or not _WIDE_SEARCHES or rows.shape[0] <= _PARTNERS + 1:
                 return
             searches += 1
             move = _wide_single(vals, tok, rows, loads, tsum, cap, p, one)
             if move is None:
                 return
-            wide = True
         _apply(vals, tok, rows, loads, tsum, move[1])
 
 
