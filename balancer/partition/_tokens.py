@@ -12,10 +12,11 @@ So tokens move between two parts at nearly constant compute by a
 :func:`_best_move` searches both kinds for one pair of parts ``(p, q)``:
 
 * single swaps: the ``B x B`` moves ``(dc, dt)`` inside the allowed windows;
-* two-for-two: the moves sorted by ``dc``; for each first move the second
-  must bring ``dc`` into the compute window, a ``searchsorted`` range that is
-  short because that window is narrow; each candidate is checked for the
-  token window and distinct items (at most ``_PAIR_CANDIDATES`` per pair).
+* two-for-two (:func:`_two_for_two`): a pair of ``p``'s items for a pair of
+  ``q``'s. Each pair of ``p`` can take the pairs of ``q`` in a range of
+  ``q``'s pairs sorted by compute; the ranges whose best candidate could
+  score best (most tokens moved in the repair, ``dc`` nearest the level in
+  polish) are checked first, up to a budget of candidates.
 
 Two phases on a compute-balanced partition (``rows`` [W, B] of sorted
 positions, as ``_solve`` leaves it):
@@ -53,6 +54,9 @@ Deterministic: candidates in index order, ties to the first.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 
 from balancer.partition._bound import bound_sorted
@@ -64,7 +68,10 @@ _TOKEN_SLACK = 0.01  # default max_tokens: (1 + this) * mean tokens per part
 Move = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (p, q, columns in p, columns in q)
 
 _PARTNERS = 6  # partners searched per step: the most token room / least compute
-_PAIR_CANDIDATES = 8192  # two-for-two candidates checked per pair at most
+# Two-for-two candidates scored per pair of parts at most (see _two_for_two):
+# in polish and relays, and in the repair.
+_PAIR_CANDIDATES = 4096
+_CLEAR_CANDIDATES = 2048
 # Relay (polish stuck): first partners tried (the lightest), and parts with
 # the most token room that may take the excess.
 _RELAY_PARTNERS = 8
@@ -414,30 +421,105 @@ def _best_move(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, p: int, q: i
         best = (float(s[i]), (p, q, (i // b,), (i % b,)))
         if clear is None or dt[i] >= clear:
             return best  # a single swap that does it all: no pair search
-    # Two-for-two: moves m1 = (i, j) and m2 = (k, l) with i != k and j != l.
-    order = np.argsort(dc, kind="stable")
-    sdc, sdt = dc[order], dt[order]
-    lo = np.searchsorted(sdc, win_c[0] - sdc, side="left")
-    hi = np.searchsorted(sdc, win_c[1] - sdc, side="right")
-    cnt = np.maximum(hi - lo, 0)
-    if cnt.sum() > _PAIR_CANDIDATES:
-        cnt = np.where(np.cumsum(cnt) <= _PAIR_CANDIDATES, cnt, 0)
-    total = int(cnt.sum())
-    if total == 0:
-        return best
-    first = np.repeat(np.arange(sdc.size), cnt)
-    second = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt) + lo[first]
-    m1, m2 = order[first], order[second]
-    c2, t2 = sdc[first] + sdc[second], sdt[first] + sdt[second]
-    ok = (m1 < m2) & (m1 // b != m2 // b) & (m1 % b != m2 % b) & (t2 >= win_t[0]) & (t2 <= win_t[1])
-    if not ok.any():
-        return best
-    s = np.where(ok, score(c2, t2), np.inf)
-    i = int(np.argmin(s))
-    if best is None or float(s[i]) < best[0]:
-        a, c = int(m1[i]), int(m2[i])
-        best = (float(s[i]), (p, q, (a // b, c // b), (a % b, c % b)))
+    pair = _two_for_two(cp, tp, cq, tq, win_c, win_t, score,
+                        (lp - lq) / 2 if clear is None else None, clear)
+    if pair is not None and (best is None or pair[0] < best[0]):
+        best = (pair[0], (p, q, pair[1], pair[2]))
     return best
+
+
+def _two_for_two(cp: np.ndarray, tp: np.ndarray, cq: np.ndarray, tq: np.ndarray,
+                 win_c: tuple[float, float], win_t: tuple[float, float],
+                 score: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                 middle: float | None, clear: float | None) -> tuple[float, tuple[int, int], tuple[int, int]] | None:
+    """The best two-for-two swap found: ``(score, items of p, items of q)``, or None.
+
+    A two-for-two swap trades a pair of ``p``'s items for a pair of ``q``'s:
+    ``dc = cP - cQ`` and ``dt = tP - tQ`` over the ``B (B - 1) / 2`` pairs of
+    each side (distinct items by construction). With ``q``'s pairs sorted by
+    ``cQ``, the compute window leaves each pair of ``p`` a range of them.
+    At B = 32 some 125,000 candidates lie in the compute window on average
+    (the recorded searches below), too many to score at every step; the
+    ranges are ranked by what their best candidate could reach and scored
+    in full, best first, until the budget is spent:
+
+    * repair (``clear``): by the most tokens the pair of ``p`` can move,
+      ``tP`` minus the least ``tQ`` in its range (a sparse-table range
+      minimum; the token room aside), up to ``clear``; ``_CLEAR_CANDIDATES``;
+    * polish (``middle``, the ``dc`` that levels both parts): by how close
+      ``dc`` can come to ``middle`` (the nearest ``cQ`` in the range, tokens
+      aside), among the ranges whose least and most ``tQ`` do not rule the
+      token window out; ``_PAIR_CANDIDATES``.
+
+    Recorded on five benchmark instances (W = 16-128, caps 1.01-1.02x) and
+    checked against every candidate, the search that took candidates in
+    ``dc`` order up to 8,192 found the best repair move in 27 % of 4,126
+    searches and the best polish move in 65 % of 812 (those with any move);
+    this finds them in 96 % and 97 %, in 0.6x and 0.9x the time.
+    """
+    ia, ka = _triu(cp.size)
+    c_p, t_p = cp[ia] + cp[ka], tp[ia] + tp[ka]
+    c_q, t_q = cq[ia] + cq[ka], tq[ia] + tq[ka]
+    oq = np.argsort(c_q, kind="stable")
+    c_q, t_q = c_q[oq], t_q[oq]
+    lo = np.searchsorted(c_q, c_p - win_c[1], side="left")
+    hi = np.searchsorted(c_q, c_p - win_c[0], side="right")
+    cnt = np.maximum(hi - lo, 0)
+    least = _range_min(t_q, lo, hi)  # inf where the range is empty
+    if clear is not None:
+        most = np.minimum(t_p - least, clear)
+        rank = np.where(most >= win_t[0], -most, np.inf)
+        budget = _CLEAR_CANDIDATES
+    else:
+        assert middle is not None
+        fits = (t_p - least >= win_t[0]) & (t_p + _range_min(-t_q, lo, hi) <= win_t[1])
+        n = c_q.size
+        at = np.searchsorted(c_q, c_p - middle)  # nearest cQ: at or just below, clipped to the range
+        near = np.minimum(np.abs(c_p - middle - c_q[np.clip(at, lo, hi - 1).clip(0, n - 1)]),
+                          np.abs(c_p - middle - c_q[np.clip(at - 1, lo, hi - 1).clip(0, n - 1)]))
+        rank = np.where(fits, near, np.inf)
+        budget = _PAIR_CANDIDATES
+    order = np.argsort(rank, kind="stable")
+    cnt_o = cnt[order]
+    take = order[(rank[order] < np.inf) & (np.cumsum(cnt_o) - cnt_o < budget)]
+    if take.size == 0:
+        return None
+    k = cnt[take]
+    first = np.repeat(take, k)
+    second = np.arange(int(k.sum())) + np.repeat(lo[take] - (np.cumsum(k) - k), k)
+    c2, t2 = c_p[first] - c_q[second], t_p[first] - t_q[second]
+    # The compute window again: the ranges came from shifted bounds, which can round.
+    ok = (c2 >= win_c[0]) & (c2 <= win_c[1]) & (t2 >= win_t[0]) & (t2 <= win_t[1])
+    if not ok.any():
+        return None
+    s = np.where(ok, score(c2, t2), np.inf)
+    x = int(np.argmin(s))
+    f, g = int(first[x]), int(oq[second[x]])
+    return float(s[x]), (int(ia[f]), int(ka[f])), (int(ia[g]), int(ka[g]))
+
+
+@functools.lru_cache(maxsize=8)
+def _triu(b: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index pairs ``i < k`` of ``b`` items."""
+    ia, ka = np.triu_indices(b, 1)
+    return ia, ka
+
+
+def _range_min(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``x[lo:hi].min()`` for every query (``inf`` where ``lo >= hi``), by a sparse table."""
+    n = x.size
+    table = np.full((max(n, 1).bit_length(), n), np.inf)
+    table[0] = x
+    span = 1
+    for k in range(1, table.shape[0]):
+        table[k, : n - 2 * span + 1] = np.minimum(table[k - 1, : n - 2 * span + 1],
+                                                  table[k - 1, span: n - span + 1])
+        span *= 2
+    cnt = hi - lo
+    k = np.frexp(np.maximum(cnt, 1))[1] - 1  # floor(log2(cnt))
+    a = table[k, np.minimum(lo, n - 1)]
+    b = table[k, np.clip(hi - (1 << k), 0, n - 1)]
+    return np.where(cnt > 0, np.minimum(a, b), np.inf)
 
 
 def _apply(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,
