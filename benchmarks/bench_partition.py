@@ -611,8 +611,8 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
             "(median \\| worst) | ms (median) |")
     rule = "|---|---|---|---|---|---|"
     if before is not None:
-        head += " before: compute (median \\| worst) | before: within 1e-4 | before: ms |"
-        rule += "---|---|---|"
+        head += " before: compute (median \\| worst) | before: within 1e-4 | before: ms | better / worse |"
+        rule += "---|---|---|---|"
     print(head)
     print(rule)
     for w in ws:
@@ -640,7 +640,13 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
                    f"{statistics.median(ratios):.4f} \\| {max(ratios):.4f} | "
                    f"{1e3 * statistics.median(secs['now']):.1f} |")
             if before is not None:
-                row += f" {_gap_cells(gaps['before'])} | {1e3 * statistics.median(secs['before']):.1f} |"
+                # Instance by instance; gaps within balanced_partition's default
+                # rtol (1e-5) count as equal: the search stops there.
+                now_g, old_g = ([max(g, 1e-5) for g in gaps[k]] for k in ("now", "before"))
+                better = sum(a < b - 1e-12 for a, b in zip(now_g, old_g, strict=True))
+                worse = sum(a > b + 1e-12 for a, b in zip(now_g, old_g, strict=True))
+                row += (f" {_gap_cells(gaps['before'])} | {1e3 * statistics.median(secs['before']):.1f} |"
+                        f" {better} / {worse} |")
             print(row, flush=True)
 
 
