@@ -49,7 +49,7 @@ Relays (same benchmark): instances within 1e-4 at 1.01x / 1.02x went from
 never worse, for 6-56 ms more (median). On W = 8 seed 2 an exact solver finds
 9.5e-5, which polish alone missed (4.0e-4) and the relay reaches (6.0e-5).
 
-Deterministic: candidates in index order, ties to the first.
+Deterministic: stable sorts throughout, ties to the first candidate in search order.
 """
 
 from __future__ import annotations
@@ -439,8 +439,7 @@ def _best_move(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, p: int, q: i
         best = (float(s[i]), (p, q, (i // b,), (i % b,)))
         if clear is None or dt[i] >= clear:
             return best  # a single swap that does it all: no pair search
-    pair = _two_for_two(cp, tp, cq, tq, win_c, win_t, score,
-                        (lp - lq) / 2 if clear is None else None, clear)
+    pair = _two_for_two(cp, tp, cq, tq, win_c, win_t, score, (lp - lq) / 2, clear)
     if pair is not None and (best is None or pair[0] < best[0]):
         best = (pair[0], (p, q, pair[1], pair[2]))
     return best
@@ -449,7 +448,7 @@ def _best_move(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, p: int, q: i
 def _two_for_two(cp: np.ndarray, tp: np.ndarray, cq: np.ndarray, tq: np.ndarray,
                  win_c: tuple[float, float], win_t: tuple[float, float],
                  score: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                 middle: float | None, clear: float | None) -> tuple[float, tuple[int, int], tuple[int, int]] | None:
+                 middle: float, clear: float | None) -> tuple[float, tuple[int, int], tuple[int, int]] | None:
     """The best two-for-two swap found: ``(score, items of p, items of q)``, or None.
 
     A two-for-two swap trades a pair of ``p``'s items for a pair of ``q``'s:
@@ -464,8 +463,8 @@ def _two_for_two(cp: np.ndarray, tp: np.ndarray, cq: np.ndarray, tq: np.ndarray,
     * repair (``clear``): by the most tokens the pair of ``p`` can move,
       ``tP`` minus the least ``tQ`` in its range (a sparse-table range
       minimum; the token room aside), up to ``clear``; ``_CLEAR_CANDIDATES``;
-    * polish (``middle``, the ``dc`` that levels both parts): by how close
-      ``dc`` can come to ``middle`` (the nearest ``cQ`` in the range, tokens
+    * polish (no ``clear``): by how close ``dc`` can come to ``middle``, the
+      value that levels both parts (the nearest ``cQ`` in the range, tokens
       aside), among the ranges whose least and most ``tQ`` do not rule the
       token window out; ``_PAIR_CANDIDATES``.
 
@@ -489,7 +488,6 @@ def _two_for_two(cp: np.ndarray, tp: np.ndarray, cq: np.ndarray, tq: np.ndarray,
         rank = np.where(most >= win_t[0], -most, np.inf)
         budget = _CLEAR_CANDIDATES
     else:
-        assert middle is not None
         fits = (t_p - least >= win_t[0]) & (t_p + _range_min(-t_q, lo, hi) <= win_t[1])
         n = c_q.size
         at = np.searchsorted(c_q, c_p - middle)  # nearest cQ: at or just below, clipped to the range
