@@ -23,7 +23,7 @@ from balancer.partition import (
     lower_bound,
     partition_stats,
 )
-from balancer.partition._tokens import _best_move, _wide_single, deal_by_room
+from balancer.partition._tokens import _best_move, _range_min, _wide_single, deal_by_room
 from tests.reference import greedy
 
 
@@ -716,6 +716,19 @@ def test_best_move_is_the_best_swap(floats: bool, repair: bool) -> None:
         assert s == pytest.approx(best, rel=1e-12, abs=1e-15) and score(dc, dt, lp, lq, clear) == pytest.approx(best, rel=1e-12), trial
         found += len(ia) == 2
     assert found >= 15, f"many trials are won by a two-for-two swap: {found}"
+
+
+def test_range_min_is_the_minimum_of_each_range() -> None:
+    # The sparse table behind the two-for-two ranking, against slicing.
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 7, 64, 100, 496):
+        x = rng.integers(-50, 50, n).astype(np.float64)
+        lo = rng.integers(0, n + 1, 300)
+        hi = lo + rng.integers(-3, n + 1, 300)
+        hi = np.clip(hi, 0, n)
+        want = [x[a:b].min() if b > a else np.inf for a, b in zip(lo, hi, strict=True)]
+        np.testing.assert_array_equal(_range_min(x, lo, hi), want)
+    assert _range_min(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
 
 
 def test_repair_move_is_the_best_swap_at_b32() -> None:

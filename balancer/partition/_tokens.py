@@ -524,14 +524,17 @@ def _triu(b: int) -> tuple[np.ndarray, np.ndarray]:
 def _range_min(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``x[lo:hi].min()`` for every query (``inf`` where ``lo >= hi``), by a sparse table."""
     n = x.size
-    table = np.full((max(n, 1).bit_length(), n), np.inf)
+    cnt = hi - lo
+    widest = int(cnt.max()) if cnt.size else 0
+    if widest <= 0:
+        return np.full(cnt.shape, np.inf)
+    table = np.empty((widest.bit_length(), n))  # row k: minima of 2**k items from each start
     table[0] = x
     span = 1
     for k in range(1, table.shape[0]):
         table[k, : n - 2 * span + 1] = np.minimum(table[k - 1, : n - 2 * span + 1],
                                                   table[k - 1, span: n - span + 1])
         span *= 2
-    cnt = hi - lo
     k = np.frexp(np.maximum(cnt, 1))[1] - 1  # floor(log2(cnt))
     a = table[k, np.minimum(lo, n - 1)]
     b = table[k, np.clip(hi - (1 << k), 0, n - 1)]
