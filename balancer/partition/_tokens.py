@@ -363,23 +363,12 @@ def _wide_single(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.
     cp, tp = vals[rows[p]].astype(np.float64), tok[rows[p]].astype(np.float64)
     cq, lq = vals[rows[q]].astype(np.float64), loads[q].astype(np.float64)
     # cq[j] in [cp[i] - (lp - lq) + one, cp[i] - one]: dc >= one, lq + dc <= lp - one.
-    lo_v, hi_v = float(cq[:, 0].min()), float(cq[:, -1].max())
-    off = (np.arange(k, dtype=np.float64) * (hi_v - lo_v + 4.0))[:, None]
-    flat = (cq + off).ravel()
-    lo = np.searchsorted(flat, (np.clip(cp[None, :] - (lp - lq)[:, None] + one, lo_v - 1, hi_v + 1)
-                                + off).ravel(), side="left")
-    hi = np.searchsorted(flat, (np.clip(cp[None, :] - one, lo_v - 1, hi_v + 1) + off).ravel(), side="right")
+    lo, hi = _row_ranges(cq, cp[None, :] - (lp - lq)[:, None] + one, cp[None, :] - one)
     if ascending:
         # dt in [tsum[p] - cap, cap - tsum[q]]: tq[j] in [tp[i] - room, tp[i] - out], a range of the row.
-        tq = tok[rows[q]].astype(np.float64)
-        lo_t, hi_t = float(tq[:, 0].min()), float(tq[:, -1].max())
-        off_t = (np.arange(k, dtype=np.float64) * (hi_t - lo_t + 4.0))[:, None]
-        flat_t = (tq + off_t).ravel()
         room = (cap - tsum[q]).astype(np.float64)[:, None]
-        lo = np.maximum(lo, np.searchsorted(flat_t, (np.clip(tp[None, :] - room, lo_t - 1, hi_t + 1)
-                                                     + off_t).ravel(), side="left"))
-        hi = np.minimum(hi, np.searchsorted(flat_t, (np.clip(tp[None, :] - float(tsum[p] - cap), lo_t - 1,
-                                                             hi_t + 1) + off_t).ravel(), side="right"))
+        lo_t, hi_t = _row_ranges(tok[rows[q]].astype(np.float64), tp[None, :] - room, tp[None, :] - float(tsum[p] - cap))
+        lo, hi = np.maximum(lo, lo_t), np.minimum(hi, hi_t)
     cnt = np.maximum(hi - lo, 0)
     total = int(cnt.sum())
     if total == 0:
@@ -398,6 +387,25 @@ def _wide_single(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.
     s = np.where(ok, np.maximum(lp - dc, lq[kq] + dc), np.inf)
     x = int(np.argmin(s))
     return float(s[x]), (p, int(q[kq[x]]), (int(i[x]),), (int(j[x] - kq[x] * b),))
+
+
+def _row_ranges(keys: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every row ``r`` of ``keys`` [k, b] (each ascending) and query ``c``:
+    the flat range ``[lo, hi)`` of ``keys.ravel()`` whose keys lie in
+    ``[low[r, c], high[r, c]]`` (``low``/``high`` broadcast to [k, Q]).
+
+    One ``searchsorted`` over the rows laid end to end, each offset past the
+    one before; the bounds are clipped to just outside the keys' span first,
+    so no range leaves its row. With float keys the offsets can blur a bound
+    that falls right at a key: callers re-check what they take.
+    """
+    k = keys.shape[0]
+    lo_v, hi_v = float(keys[:, 0].min()), float(keys[:, -1].max())
+    off = (np.arange(k, dtype=np.float64) * (hi_v - lo_v + 4.0))[:, None]
+    flat = (keys + off).ravel()
+    lo = np.searchsorted(flat, (np.clip(low, lo_v - 1, hi_v + 1) + off).ravel(), side="left")
+    hi = np.searchsorted(flat, (np.clip(high, lo_v - 1, hi_v + 1) + off).ravel(), side="right")
+    return lo, hi
 
 
 def _partners(key: np.ndarray, p: int) -> list[int]:
