@@ -641,8 +641,9 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
                    f"{1e3 * statistics.median(secs['now']):.1f} |")
             if before is not None:
                 # Instance by instance; gaps within balanced_partition's default
-                # rtol (1e-5) count as equal: the search stops there.
-                now_g, old_g = ([max(g, 1e-5) for g in gaps[k]] for k in ("now", "before"))
+                # rtol count as equal: the search stops there.
+                rtol = inspect.signature(balanced_partition).parameters["rtol"].default
+                now_g, old_g = ([max(g, rtol) for g in gaps[k]] for k in ("now", "before"))
                 better = sum(a < b - 1e-12 for a, b in zip(now_g, old_g, strict=True))
                 worse = sum(a > b + 1e-12 for a, b in zip(now_g, old_g, strict=True))
                 row += (f" {_gap_cells(gaps['before'])} | {1e3 * statistics.median(secs['before']):.1f} |"
