@@ -462,6 +462,75 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                   f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} |", flush=True)
 
 
+# ----------------------------------------------------------------- 2c. under load
+LOAD_SHAPES = [(16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512), (256, 1024)]
+
+
+def _spin(run: Any, stop: Any, ready: Any) -> None:
+    """A busy process (pure Python, no memory traffic) while ``run`` is set, until ``stop``."""
+    ready.release()
+    while not stop.is_set():
+        if not run.wait(0.05):
+            continue
+        while run.is_set():
+            x = 0
+            for i in range(20_000):
+                x += i * i
+
+
+def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int,
+               emit: Callable[[dict[str, Any]], None], reps: int = 7) -> None:
+    """Wall and CPU time of ``partition_rows`` with the machine quiet and with ``procs``
+    busy processes, the two taking turns call by call.
+
+    The partition is single-threaded numpy: its wall time on a shared box
+    grows with whatever else runs, its CPU time (``time.thread_time``) much
+    less. CPU time is what the partition costs on a core of its own, as in
+    the shuffler's partition child on a host with a core to spare.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # no torch or CUDA state in the spinners
+    run, stop, ready = ctx.Event(), ctx.Event(), ctx.Semaphore(0)
+    spinners = [ctx.Process(target=_spin, args=(run, stop, ready), daemon=True) for _ in range(procs)]
+    for sp in spinners:
+        sp.start()
+    for _ in spinners:
+        ready.acquire()  # every spawned interpreter has finished its imports
+    print(f"\n## Under load: partition_rows quiet vs next to {procs} busy processes on "
+          f"{os.cpu_count()} cores (median ms over {reps} calls each, taking turns)\n")
+    print("| W x B | dist | quiet wall | quiet CPU | loaded wall | loaded CPU |")
+    print("|---|---|---:|---:|---:|---:|")
+    try:
+        for w, b in shapes:
+            for dist in dists:
+                x, _ = make_workloads(dist, w * b, 0)
+                partition_rows(x, w)  # warm-up
+                t: dict[str, list[float]] = {k: [] for k in ("quiet_wall", "quiet_cpu", "loaded_wall", "loaded_cpu")}
+                for _ in range(reps):
+                    for mode in ("quiet", "loaded"):
+                        if mode == "loaded":
+                            run.set()
+                            time.sleep(0.05)  # the spinners are running
+                        c0, t0 = time.thread_time(), time.perf_counter()
+                        partition_rows(x, w)
+                        t[f"{mode}_wall"].append(time.perf_counter() - t0)
+                        t[f"{mode}_cpu"].append(time.thread_time() - c0)
+                        if mode == "loaded":
+                            run.clear()
+                            time.sleep(0.02)  # the spinners finish their last loop
+                ms = {k: 1e3 * statistics.median(v) for k, v in t.items()}
+                emit({"kind": "under_load", "W": w, "B": b, "N": w * b, "dist": dist, "procs": procs,
+                      **{f"{k}_ms": v for k, v in ms.items()}})
+                print(f"| {w}x{b} | {dist} | {ms['quiet_wall']:.1f} | {ms['quiet_cpu']:.1f} | "
+                      f"{ms['loaded_wall']:.1f} | {ms['loaded_cpu']:.1f} |", flush=True)
+    finally:
+        stop.set()
+        run.clear()
+        for sp in spinners:
+            sp.join(5)
+
+
 # ----------------------------------------------------------------- 2b. small inputs
 SMALL_SHAPES = [(2, 512), (4, 256), (8, 128), (16, 64), (32, 32), (64, 16), (128, 8), (256, 4),
                 (512, 2), (4, 64), (8, 32), (16, 16), (32, 8)]
@@ -660,7 +729,9 @@ def main() -> None:
     ap.add_argument("--before", default="07a7679",
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections: quality,scale,small,curves,threads,locality,tokens")
+                    help="comma-separated sections: quality,scale,small,load,curves,threads,locality,tokens")
+    ap.add_argument("--load-procs", type=int, default=os.cpu_count() or 2,
+                    help="busy processes in the 'load' section (default: one per core)")
     ap.add_argument("--step-ms", type=float, default=50.0,
                     help="main-thread work per step (x10 for the N=131072 case)")
     args = ap.parse_args()
@@ -692,6 +763,8 @@ def main() -> None:
             scale([(8192, 32), (1024, 256), (32, 32)], ("zipf", "lognormal"), seeds, before, emit, 3)
         if want("small"):
             small([(64, 16), (16, 64)], ("uniform", "zipf"), seeds, before, emit, 5)
+        if want("load"):
+            under_load([(8192, 32)], ("zipf", "lognormal"), args.load_procs, emit, 3)
         if want("threads"):
             thread_experiment([(64, 128, args.step_ms)], 10, emit, before)
         if want("locality"):
@@ -706,6 +779,8 @@ def main() -> None:
             scale(SCALE_SHAPES, DISTS, max(2, seeds), before, emit)
         if want("small"):
             small(SMALL_SHAPES, DISTS, seeds, before, emit)
+        if want("load"):
+            under_load(LOAD_SHAPES, DISTS, args.load_procs, emit)
         if want("curves"):
             scaling_curves(before, emit, args.plot)
         if want("threads"):
