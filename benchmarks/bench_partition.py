@@ -18,6 +18,9 @@ header line with hardware, versions and load) to ``--json-out``:
    hits both alike); "array" times the partition without building lists;
    2b. small inputs: every shape with N <= 1,024 (the 1 ms target), the
    shuffler's array call (``partition_rows``) next to ``--before``'s;
+   2c. under load (``--only load``): ``partition_rows`` at N = 262,144, wall
+   and CPU time with the machine quiet and next to ``--load-procs`` busy
+   processes, taking turns;
 3. time against N (W x 32) and against W at N = 131,072 (``--plot`` draws it);
 4. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
    (or the ``PartitionWorker`` child) while the main thread does a fixed
