@@ -9,7 +9,12 @@ rotates every step so noise hits all alike:
 * ``on:flops``: ``balanced_partition`` of ``SelfAttentionCost`` FLOPs;
 * ``on:calib``: ``balanced_partition`` of a calibrated ``PolynomialCost``
   (forward + backward timed at a set of lengths, fitted by ``fit_polynomial``);
-* ``kk``: ``karmarkar_karp`` (equal-size) of the calibrated cost (``--kk-cost``).
+* ``kk``: ``karmarkar_karp`` (equal-size) of the calibrated cost (``--kk-cost``);
+* ``on:online``: ``balanced_partition`` of the model the library's online
+  calibration (``balancer._calibrate.OnlineFit``, what ``calibrate=True`` runs
+  in the shuffler) fits to the per-rank times this mode measured in earlier
+  steps, starting from the FLOPs model; its straggler step by step shows the
+  convergence.
 
 Each rank's forward + backward of a small transformer stack (bf16 on CUDA with
 packed varlen FlashAttention; float32 per-sample SDPA on CPU) is timed
@@ -60,6 +65,7 @@ from _gpu_common import (  # noqa: E402
 )
 
 from balancer import SelfAttentionCost, fit_polynomial  # noqa: E402
+from balancer._calibrate import CostModel, OnlineFit, features  # noqa: E402
 from balancer.partition import balanced_partition, karmarkar_karp  # noqa: E402
 from balancer.testing import run_workers  # noqa: E402
 
@@ -108,18 +114,55 @@ def max_over_mean(x: Sequence[float]) -> float:
     return float(max(x) / (sum(x) / len(x))) if sum(x) > 0 else 1.0
 
 
+class Online:
+    """``on:online``: the library's online fit, fed with this mode's measured per-rank times.
+
+    Its first partitions use the FLOPs model (``SelfAttentionCost``, also the
+    fit's ``w`` feature), as the shuffler with ``calibrate=True`` starts from
+    its ``workload_fn``; once the fit has ``min(16, 2 W)`` (rank, step)
+    observations, the fitted per-sample model ``alpha w + beta L^2 + gamma L
+    + delta`` replaces it, refitted after every step.
+    """
+
+    def __init__(self, flops: tuple[float, float, float], world: int) -> None:
+        self.flops, self.world = flops, world
+        self.fit = OnlineFit(min_observations=min(16, 2 * world))
+        self.model: CostModel | None = None
+        self.fitted_at: int | None = None  # the first step partitioned with a fitted model
+
+    def costs(self, lengths: np.ndarray, step: int) -> np.ndarray:
+        w = cost_values(self.flops, lengths).astype(np.float64)
+        if self.model is None:
+            return w
+        if self.fitted_at is None:
+            self.fitted_at = step
+        return self.model.costs(w, lengths)
+
+    def observe(self, step: int, lengths: np.ndarray, parts: list[np.ndarray], seconds: list[float]) -> None:
+        dest = np.empty(lengths.size, np.int64)
+        for r, p in enumerate(parts):
+            dest[p] = r
+        w = cost_values(self.flops, lengths).astype(np.float64)
+        self.fit.record(step, features(w, lengths, dest, np.ones(lengths.size, bool), self.world))
+        self.fit.observe(np.full(self.world, step), np.asarray(seconds, np.float64))
+        self.model = self.fit.fit()
+
+
 def run_config(model: Transformer, backend: str, device: torch.device, world: int, b: int,
                a: argparse.Namespace, coeffs: dict[str, tuple[float, float, float]],
                modes: list[str]) -> dict[str, Any]:
     """Measured per-rank times and predicted loads of every mode, every step."""
     timer = RegionTimer(device)
     steps: list[dict[str, Any]] = []
+    online = Online(flops_coefficients(a), world) if "on:online" in modes else None
     for s in range(-1, a.steps):  # step -1 warms up and is dropped
         rng = np.random.default_rng([a.seed, world, b, max(s, 0)])
         lengths = sample_lengths("zipf", world * b, a.max_len, rng, a.alpha)
         ids, labels = rng.integers(0, VOCAB, int(lengths.sum())), rng.integers(0, 2, world * b)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        costs = {c: cost_values(co, lengths) for c, co in coeffs.items()}
+        costs: dict[str, np.ndarray] = {c: cost_values(co, lengths) for c, co in coeffs.items()}
+        if online is not None:
+            costs["online"] = online.costs(lengths, s)
         rec: dict[str, Any] = {}
         k = s % len(modes)
         for m in modes[k:] + modes[:k]:
@@ -128,9 +171,25 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
                           labels[p], device, backend == "loop") for p in parts]
             rec[m] = {"times": fwd_bwd_times(model, packs, backend, timer),
                       "pred": {c: max_over_mean([float(v[p].sum()) for p in parts]) for c, v in costs.items()}}
+            if m == "on:online" and online is not None and s >= 0:  # the warm-up step's times are not kept
+                online.observe(s, lengths, parts, rec[m]["times"])
         if s >= 0:
             steps.append(rec)
-    return summarize(steps, modes, a.kk_cost, "calib" if "calib" in coeffs else "flops")
+    res = summarize(steps, modes, a.kk_cost, "calib" if "calib" in coeffs else "flops")
+    if online is not None:
+        on = res["on:online"]
+        by_step = [max_over_mean(st["on:online"]["times"]) for st in steps]
+        on["straggler_by_step"] = by_step
+        on["fitted_from_step"] = online.fitted_at
+        after = by_step[online.fitted_at:] if online.fitted_at is not None else []
+        on["straggler_fitted"] = statistics.median(after) if after else None
+        on["model"] = None if online.model is None else dataclasses.asdict(online.model)
+    return res
+
+
+def flops_coefficients(a: argparse.Namespace) -> tuple[float, float, float]:
+    """``SelfAttentionCost``'s ``(a, b, c)`` for the benchmark's model."""
+    return SelfAttentionCost(["seq"], a.hidden, a.heads, num_layers=a.layers).coefficients()
 
 
 def summarize(steps: list[dict[str, Any]], modes: list[str], kk_cost: str, base_cost: str) -> dict[str, Any]:
@@ -163,6 +222,17 @@ def format_rows(world: int, b: int, res: dict[str, Any], costs: list[str]) -> li
         out.append(f"{world:>3} {b:>4} {m:>9} | {r['step_ms']:>8.2f} {r['speedup']:>7.3f} "
                    f"{r['ideal_speedup']:>6.3f} | {r['mean_rank_ms']:>8.2f} {r['straggler']:>9.3f} | {pred}")
     return out
+
+
+def online_line(on: dict[str, Any]) -> str:
+    """The online fit's convergence: straggler per step, from which step the fit partitioned, the model."""
+    steps = " ".join(f"{x:.3f}" for x in on["straggler_by_step"])
+    if on["fitted_from_step"] is None:
+        return f"    on:online straggler by step: {steps} (too few observations to fit)"
+    m = on["model"]
+    return (f"    on:online straggler by step: {steps}; fitted from step {on['fitted_from_step']}, median since "
+            f"{on['straggler_fitted']:.3f}; model {m['alpha']:.3g} w + {m['beta']:.3g} L^2 + {m['gamma']:.3g} L "
+            f"+ {m['delta']:.3g} s (rel. error {m['rel_error']:.3f})")
 
 
 def header(costs: list[str]) -> str:
@@ -208,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--costs", nargs="+", default=["flops", "calib"], choices=["flops", "calib"],
+    p.add_argument("--costs", nargs="+", default=["flops", "calib", "online"], choices=["flops", "calib", "online"],
                    help="cost models to balance with (one on:<cost> mode each)")
     p.add_argument("--kk-cost", default="calib", choices=["flops", "calib"])
     p.add_argument("--calib-tokens", type=int, default=16384, help="tokens per calibration point")
@@ -225,8 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.hidden, a.heads, a.layers, a.calib_tokens = 32, 2, 1, 512
         a.shuffle_batch_size, a.shuffle_steps, a.shuffle_reps = 8, 4, 2
         a.device = "cpu" if a.device == "auto" else a.device
-    if a.kk_cost not in a.costs:
-        a.kk_cost = a.costs[0]
+    if a.kk_cost not in a.costs or a.kk_cost == "online":
+        a.kk_cost = next((c for c in a.costs if c != "online"), "flops")
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -256,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.zero_grad(set_to_none=True)
         meta["compute_syncs_per_fwd_bwd"] = syncs[0]
         print(f"synchronising calls in one forward+backward: {syncs[0]}")
-    if "flops" in a.costs:
-        coeffs["flops"] = SelfAttentionCost(["seq"], a.hidden, a.heads, num_layers=a.layers).coefficients()
+    if "flops" in a.costs or a.kk_cost == "flops":
+        coeffs["flops"] = flops_coefficients(a)
     if "calib" in a.costs:
         cal = calibrate(model, backend, device, a.max_len, a.calib_tokens, a.seed)
         coeffs["calib"] = (cal["a"], cal["b"], cal["c"])
@@ -278,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 print("\n".join(format_rows(world, b, res, list(coeffs))), flush=True)
+                if "on:online" in res:
+                    print(online_line(res["on:online"]), flush=True)
         if not a.no_shuffle:
             if device.type == "cuda":
                 torch.cuda.empty_cache()

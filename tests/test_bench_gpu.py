@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"off", "kk", "on:flops", "on:calib"}
-ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib) \|(.*)$", re.M)
+MODES = {"off", "kk", "on:flops", "on:calib", "on:online"}
+ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib|on:online) \|(.*)$", re.M)
 
 
 def test_bench_gpu_quick(tmp_path: Path) -> None:
@@ -60,6 +60,17 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
             on = r["modes"][f"on:{cost}"]
             assert on["predicted_by"] == cost
             assert on["predicted_straggler_by_cost"][cost] <= off["predicted_straggler_by_cost"][cost] + 1e-9
+        # The online fit: min(16, 2 W) observations after 2 steps of W ranks (3 steps in --quick),
+        # so the third step partitions with the fitted model.
+        online = r["modes"]["on:online"]
+        assert len(online["straggler_by_step"]) == r["steps"] == 3
+        assert min(online["straggler_by_step"]) >= 1.0
+        assert online["fitted_from_step"] == 2
+        assert online["straggler_fitted"] == online["straggler_by_step"][2]
+        model = online["model"]
+        assert min(model["alpha"], model["beta"], model["gamma"], model["delta"]) >= 0
+        assert model["alpha"] + model["beta"] + model["gamma"] + model["delta"] > 0
+        assert model["observations"] <= 3 * r["world"]
 
     sh = shuffle[0]
     assert sh["shuffle_matches"] is True
