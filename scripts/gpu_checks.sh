@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Every measurement that needs a GPU, in one command: versions, the FBGEMM CUDA
+# kernels, the CUDA test tier, the whole suite, bench_gpu (quick, then full)
+# and the example on one GPU. Each step's log and JSON land in OUT_DIR; a step
+# that fails is reported and the next one runs.
+#
+# On a GPU machine, from the repository root:
+#   bash scripts/gpu_checks.sh [OUT_DIR]          # default: $OUT, else bench_out/gpu_checks
+# Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench suite example"
+#
+# A GPU machine with torch but no package index (the image this project's
+# device runs use): prepare the bundle here first, then copy .gpu/ along:
+#   bash scripts/gpu_checks.sh --prepare         # .gpu/site.tar.xz + .gpu/extra/*.whl
+# The run unpacks .gpu/site.tar.xz (TorchRec + slim FBGEMM-GPU, built by
+# ../shared/tools/gpu_bundle.sh) and the pure-Python wheels in .gpu/extra
+# (pytest and its dependencies) into /tmp/site, first on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--prepare" ]; then
+  set -e
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.gpu/' >> .git/info/exclude; }
+  [ -f .gpu/site.tar.xz ] || bash ../shared/tools/gpu_bundle.sh
+  mkdir -p .gpu/extra
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/extra \
+    pytest pluggy iniconfig packaging pygments
+  ls -la .gpu .gpu/extra
+  exit 0
+fi
+
+out=${1:-${OUT:-bench_out/gpu_checks}}
+mkdir -p "$out"
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+if [ -f .gpu/site.tar.xz ]; then
+  mkdir -p /tmp/site
+  tar xJf .gpu/site.tar.xz -C /tmp/site
+  for whl in .gpu/extra/*.whl; do
+    [ -f "$whl" ] && "$py" -m zipfile -e "$whl" /tmp/site
+  done
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+all_steps="env kernels cuda_tier bench_quick bench suite example"
+steps=${GPU_CHECKS:-$all_steps}
+for s in $steps; do
+  case " $all_steps " in *" $s "*) ;; *) echo "GPU_CHECKS: unknown step '$s', expected some of: $all_steps"; exit 2 ;; esac
+done
+failed=()
+
+run_step() {  # name, command...: log to $out/name.log, print the verdict and the tail
+  local name=$1 t0 rc
+  shift
+  echo "== $name: $*"
+  t0=$(date +%s)
+  "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - t0 )) s (log: $out/$name.log)"
+  tail -n 15 "$out/$name.log"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+  return "$rc"
+}
+
+want() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+if want env; then
+  run_step env "$py" -c "
+import sys, torch
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)
+assert torch.cuda.is_available(), 'torch.cuda.is_available() is False: no GPU, or a CPU build of torch'
+print('device', torch.cuda.get_device_name(), 'count', torch.cuda.device_count())
+import numpy, fbgemm_gpu, torchrec
+print('numpy', numpy.__version__, 'torchrec', torchrec.__version__)
+" || { echo "no usable GPU environment: stopping"; exit 1; }
+  nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+fi
+if want kernels; then
+  # fbgemm's CUDA kernels (the CPU wheel on a GPU machine fails here, not in the tests).
+  run_step kernels "$py" -c "
+import torch, fbgemm_gpu
+d = 'cuda'
+_, out, _ = torch.ops.fbgemm.permute_1D_sparse_data(torch.tensor([1, 0], dtype=torch.int32, device=d),
+                                                   torch.tensor([1, 2], dtype=torch.int32, device=d),
+                                                   torch.arange(3, device=d))
+assert out.tolist() == [1, 2, 0], out
+print('permute_1D_sparse_data on', out.device, out.tolist())
+"
+fi
+if want cuda_tier; then
+  run_step cuda_tier "$py" -m pytest -m cuda -rs -q -p no:cacheprovider --junitxml="$out/cuda_tier.xml"
+fi
+if want bench_quick; then
+  run_step bench_quick "$py" benchmarks/bench_gpu.py --quick --device cuda --json-out "$out/gpu_quick.jsonl"
+fi
+if want bench; then
+  plot=()
+  "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/gpu_speedup.png")
+  run_step bench "$py" benchmarks/bench_gpu.py --device cuda --json-out "$out/gpu.jsonl" "${plot[@]}"
+fi
+if want suite; then
+  run_step suite "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/suite.xml"
+fi
+if want example; then
+  # The bundle has no fused (TBE) embedding kernels: TorchRec's dense kernel there.
+  kernel=fused
+  [ -f .gpu/site.tar.xz ] && kernel=dense
+  run_step example "$py" -m torch.distributed.run --nproc_per_node=1 examples/train_hstu.py \
+    --enable-balanced-shuffler --embedding-kernel "$kernel"
+fi
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "failed steps: ${failed[*]}"
+  exit 1
+fi
+echo "all steps passed: $steps"
