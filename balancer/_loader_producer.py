@@ -142,14 +142,24 @@ def _carrier(template: Template) -> BaseBatch:
     return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
 
 
-def _fit(batch: Any, template: Template) -> Any:
+def _fit(batch: Any, template: Template, step: int) -> Any:
     """``batch`` padded to the batch size; the first batch sets the template.
-    Anything else (another type, a larger batch) goes to the shuffle as it is,
-    which reports it on every rank."""
+    Another type goes to the shuffle as it is, which reports it on every rank.
+
+    Raises:
+        WrappedLoaderError: ``batch`` is larger than the batch size (given, or
+            the first batch's). Every rank's batches would be that large, so
+            the shuffle alone would not see it.
+    """
     if not isinstance(batch, BaseBatch):
         return batch
     if template.batch_size is None:
         template.batch_size = batch.batch_size
+    if batch.batch_size > template.batch_size:
+        raise WrappedLoaderError(
+            f"the wrapped loader yielded a batch of batch_size={batch.batch_size} at step {step}, more than "
+            f"BalancedLoader's batch_size={template.batch_size} (given, or the first batch's); pass "
+            "batch_size >= the loader's largest batch")
     if batch.batch_size < template.batch_size:
         batch = pad_batch(batch, template.batch_size)
     if template.padding is None and batch.batch_size == template.batch_size:
@@ -193,9 +203,11 @@ def _take(source: Iterator[Any], template: Template, exhausted: bool,
     (a failure is reported through the shuffle, so that every rank raises it)."""
     if not exhausted:
         try:
-            return _fit(next(source), template), False, None
+            return _fit(next(source), template, step), False, None
         except StopIteration:
             exhausted = True
+        except WrappedLoaderError as e:
+            return None, False, e
         except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
             failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
             failure.__cause__ = e

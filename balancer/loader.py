@@ -153,6 +153,7 @@ class BalancedLoader(Generic[_B]):
         self._template = Template(batch_size=batch_size)
         self._epoch = 0
         self._consumed = 0  # batches the user took from the current (or last) pass
+        self._pass_epoch = 0  # the epoch of that pass (or of a loaded state)
         self._skip = 0  # steps the next pass fast-forwards (load_state_dict)
         self._run: Run | None = None
         self._stats: ShuffleStats | None = None
@@ -170,6 +171,9 @@ class BalancedLoader(Generic[_B]):
             raise RuntimeError("BalancedLoader is closed")
         self._end_run()
         skip, self._skip = self._skip, 0
+        # The padding layout comes from this pass's batches only: a pass then
+        # behaves the same after earlier passes as at the start of a resumed run.
+        self._template.padding = None
         run = Run(self._ahead)
         # iter() on the calling thread: a DataLoader starts its worker
         # processes here, as it would without the wrapper. If that fails, the
@@ -182,7 +186,7 @@ class BalancedLoader(Generic[_B]):
                 self._world, self._signal, self._pin)
         run.thread = threading.Thread(target=produce, args=args, name="balancer-loader", daemon=True)
         run.thread.start()
-        self._run, self._consumed = run, skip
+        self._run, self._consumed, self._pass_epoch = run, skip, self._epoch
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _stop_quietly, [run])
         return _BalancedIterator(self, run)
@@ -219,7 +223,9 @@ class BalancedLoader(Generic[_B]):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass and forward it to the wrapped loader's
-        ``set_epoch`` (or its sampler's, e.g. ``DistributedSampler``). A
+        ``set_epoch``, or else to every one of its sampler (e.g.
+        ``DistributedSampler``), batch sampler, the batch sampler's sampler and
+        dataset (an ``IterableDataset``) that has one. A
         different epoch than a loaded state's starts that epoch from its
         beginning; the same one keeps the resume point."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -227,14 +233,15 @@ class BalancedLoader(Generic[_B]):
         if epoch != self._epoch:
             self._skip = 0
         self._epoch = epoch
-        target = _epoch_target(self._loader)
-        if target is not None:
+        for target in _epoch_targets(self._loader):
             target.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "consumed"}``: the epoch and the batches the user took from
-        its pass so far (equal on every rank that trained the same steps)."""
-        return {"epoch": self._epoch, "consumed": self._consumed}
+        its pass so far (equal on every rank that trained the same steps); 0
+        after ``set_epoch`` of an epoch whose pass has not started."""
+        consumed = self._consumed if self._pass_epoch == self._epoch else self._skip
+        return {"epoch": self._epoch, "consumed": consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume from :meth:`state_dict`: the next pass of ``state["epoch"]``
@@ -246,6 +253,7 @@ class BalancedLoader(Generic[_B]):
         self._end_run()
         self.set_epoch(state["epoch"])
         self._skip = self._consumed = state["consumed"]
+        self._pass_epoch = state["epoch"]
 
     def close(self) -> None:
         """Stop the producer thread (after the steps it has credit for, which
@@ -290,12 +298,18 @@ def _stop_quietly(holder: list[Run | None]) -> None:
         run.stop()
 
 
-def _epoch_target(loader: Any) -> Any:
-    """The object whose ``set_epoch`` orders ``loader``'s samples, if any."""
+def _epoch_targets(loader: Any) -> list[Any]:
+    """The objects whose ``set_epoch`` orders ``loader``'s samples: the loader
+    itself if it has one, else every one of its sampler, batch sampler, the
+    batch sampler's sampler and its dataset (an ``IterableDataset``) that has."""
+    if callable(getattr(loader, "set_epoch", None)):
+        return [loader]
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for obj in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if obj is not None and callable(getattr(obj, "set_epoch", None)):
-            return obj
-    return None
+    out: list[Any] = []
+    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None),
+                getattr(loader, "dataset", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)) and all(obj is not o for o in out):
+            out.append(obj)
+    return out
 
 

@@ -263,7 +263,8 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank(group_size
         "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError at step 1: "
                          "'sample file",
         "no_weights": "'features.weights dtype': ranks [0, 1]: 'torch.float64'; rank 2: 'absent'",
-        "batch_size": "'batch_size': ranks [0, 1]: '4'; rank 2: '5'",
+        "batch_size": "the wrapped loader yielded a batch of batch_size=5 at step 1, more than BalancedLoader's "
+                      "batch_size=4",
         "not_a_batch": "batch is a dict, expected a BaseBatch or a TokenBatch (rank 2)",
         "empty_loader": "the wrapped loader yielded no batch before step 0",
         "iter_raises": "the wrapped loader raised OSError at step 0: shard file not found",
@@ -379,3 +380,118 @@ def test_a_worker_exception_never_hangs_the_gc_path() -> None:
     del it, loader
     gc.collect()
     assert _wait_for_no_loader_thread()
+
+
+def test_state_after_set_epoch_starts_the_new_epoch() -> None:
+    # state_dict() once reported the last pass's count under the new epoch, and
+    # a resume from it skipped that many batches of the epoch not yet started.
+    def run(state: dict[str, int] | None, epochs: range) -> list[list[int]]:
+        with BalancedLoader(Source(0, [3, 2]), cost, **FAST) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            out = []
+            for e in epochs:
+                loader.set_epoch(e)
+                out += [check_batch(b) for b in loader]
+            return out
+
+    full = run(None, range(3))
+    with BalancedLoader(Source(0, [3, 2]), cost, **FAST) as loader:
+        head = [check_batch(b) for b in loader]
+        assert loader.state_dict() == {"epoch": 0, "consumed": 3}
+        loader.set_epoch(1)
+        state = loader.state_dict()
+    assert state == {"epoch": 1, "consumed": 0}
+    assert head + run(state, range(1, 3)) == full
+    with BalancedLoader(Source(0, [3, 2]), cost, **FAST) as loader:
+        loader.load_state_dict({"epoch": 1, "consumed": 1})
+        assert loader.state_dict() == {"epoch": 1, "consumed": 1}  # the loaded point, before any pass
+        loader.set_epoch(1)
+        assert loader.state_dict() == {"epoch": 1, "consumed": 1}  # the same epoch keeps it
+        loader.set_epoch(2)
+        assert loader.state_dict() == {"epoch": 2, "consumed": 0}
+
+
+class _EpochBatchSampler:
+    """A batch sampler with its own ``set_epoch`` and no ``sampler`` (length bucketing)."""
+
+    def __init__(self) -> None:
+        self.epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = np.random.default_rng(self.epoch).permutation(2 * B).tolist()
+        return iter([order[:B], order[B:]])
+
+    def __len__(self) -> int:
+        return 2
+
+
+class _EpochIterable(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.epoch * 100, self.epoch * 100 + 2 * B))
+
+
+def _collate(ids: list[int]) -> IdBatch:
+    t = torch.tensor(ids, dtype=torch.float64) + 1
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.zeros(0, dtype=torch.int64),
+                            weights=torch.zeros(0, dtype=torch.float64),
+                            lengths=torch.zeros(2 * len(ids), dtype=torch.int64))
+    return IdBatch(features=kjt, batch_size=len(ids), feature_to_max_seqlen={"a": 16}, labels=t.clone(),
+                   dense=torch.stack([t, -t], dim=1))
+
+
+def test_set_epoch_reaches_a_batch_sampler_and_an_iterable_dataset() -> None:
+    # Only the loader, its sampler and the batch sampler's sampler were asked once:
+    # these two kept epoch -1 and yielded the same order every epoch.
+    data = torch.utils.data
+    bs = _EpochBatchSampler()
+    by_sampler = data.DataLoader(list(range(2 * B)), batch_sampler=bs, collate_fn=_collate)
+    ds = _EpochIterable()
+    by_dataset = data.DataLoader(ds, batch_size=B, collate_fn=_collate)
+    for source, target in ((by_sampler, bs), (by_dataset, ds)):
+        with BalancedLoader(source, cost, **FAST) as loader:
+            epochs = []
+            for e in (3, 4):
+                loader.set_epoch(e)
+                assert target.epoch == e
+                epochs.append(real_ids(loader))
+            assert epochs[0] != epochs[1] and len(epochs[0]) == 2 * B
+
+
+def test_a_batch_larger_than_batch_size_is_an_error() -> None:
+    # It once went through as it was (every rank's batches equally large, so the
+    # shuffle saw nothing wrong) while loader.batch_size said 2.
+    with (BalancedLoader(Source(0, [3]), cost, batch_size=2, **FAST) as loader,
+          pytest.raises(ValueError, match=r"yielded a batch of batch_size=4 at step 0, more than "
+                                          r"BalancedLoader's batch_size=2")):
+        next(iter(loader))
+
+
+def _empty_pass_worker(rank: int, w: int) -> dict[str, str]:
+    counts = [[2, 2], [2, 0]][rank]  # rank 1's loader yields nothing in epoch 1
+    out = {}
+    with BalancedLoader(Source(rank, counts), cost, **FAST) as loader:
+        out["epoch 0"] = _outcome(loader)[1]
+        loader.set_epoch(1)
+        out["after epoch 0"] = _outcome(loader)[1]
+    with BalancedLoader(Source(rank, counts), cost, **FAST) as loader:
+        loader.load_state_dict({"epoch": 1, "consumed": 0})
+        out["resumed"] = _outcome(loader)[1]
+    return out
+
+
+def test_a_pass_without_batches_on_a_rank_fails_alike_after_a_restart() -> None:
+    # Epoch 1 once ran on the padding layout left by epoch 0, and failed only when
+    # resumed into: the same state gave two outcomes.
+    for out in run_workers(_empty_pass_worker, 2, timeout=120):
+        assert out["epoch 0"] == "ok", out
+        assert out["after epoch 0"] == out["resumed"] == "ValueError", out
