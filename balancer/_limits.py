@@ -8,7 +8,7 @@ and imported where it is checked.
 
 from __future__ import annotations
 
-__all__ = ["DISPATCH_TOTAL", "MAX_COST", "MAX_LENGTH", "MAX_TOTAL", "PACKED_KEY_LIMIT"]
+__all__ = ["DISPATCH_TOTAL", "MAX_COST", "MAX_LENGTH", "MAX_TIMEOUT_S", "MAX_TOTAL", "PACKED_KEY_LIMIT"]
 
 MAX_COST = 2**62
 """Largest per-sample cost an estimator (:mod:`balancer.workloads`) returns.
@@ -45,6 +45,15 @@ MAX_LENGTH = 2**31 - 1
 
 Phase 1 sends every length as int32, two per int64 word of the message
 (:mod:`balancer._protocol`); a larger length is reported as invalid input.
+"""
+
+MAX_TIMEOUT_S = 1e8
+"""Largest ``timeout`` (seconds, ~3 years) a shuffler or loader accepts.
+
+Timeouts become ``datetime.timedelta`` (at most ~8.6e13 s) for the process
+groups and, plus a margin, thread waits (``threading.TIMEOUT_MAX``, ~9.2e9 s
+on Linux); a larger value would pass the check and fail later with an
+``OverflowError`` at the first shuffle.
 """
 
 DISPATCH_TOTAL = 2.0**50

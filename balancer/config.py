@@ -12,6 +12,8 @@ import functools
 import inspect
 from typing import Any
 
+from balancer._limits import MAX_TIMEOUT_S
+
 __all__ = ["BalancerConfig"]
 
 COMMS = ("all2all", "allgather")
@@ -41,9 +43,9 @@ def check_interval(owner: str, field: str, value: object) -> None:
 
 
 def check_timeout(owner: str, field: str, value: object) -> None:
-    """Raise ValueError unless ``value`` is a finite number of seconds > 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{owner}: {field}={value!r}, expected a finite number of seconds > 0")
+    """Raise ValueError unless ``value`` is a number of seconds in ``(0, MAX_TIMEOUT_S]`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{owner}: {field}={value!r}, expected a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
 
 
 def check_token_cap(owner: str, value: object, *, default_partition: bool, needs: str, partition: object,
@@ -206,8 +208,8 @@ class BalancerConfig:
         check_timeout(me, "shuffle_timeout_s", self.shuffle_timeout_s)
         check_bool(me, "online_calibration", self.online_calibration)
         keys = self.calibration_keys
-        if keys is not None and (not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys)):
-            raise ValueError(f"{me}: calibration_keys={keys!r}, expected None or a tuple of str")
+        if keys is not None and (not isinstance(keys, tuple) or not keys or not all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"{me}: calibration_keys={keys!r}, expected None or a non-empty tuple of str")
         if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
                                           or self.capacity < 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")

@@ -39,6 +39,7 @@ missing ranks; the shuffler is then closed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -235,13 +236,18 @@ class BatchShuffler(ShufflerBase):
         self.token_cap = None if token_cap is None else float(token_cap)
         self.calibrate = calibrate
         self.group_size = group_size
-        if calibration_keys is not None and (isinstance(calibration_keys, str) or not all(
-                isinstance(k, str) for k in calibration_keys)):
-            raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a sequence of str")
-        self.calibration_keys = None if calibration_keys is None else tuple(calibration_keys)
+        keys = calibration_keys
+        if keys is not None and not isinstance(keys, (str, set, frozenset)):
+            with contextlib.suppress(TypeError):  # an iterator is read once, here, not by the check
+                keys = tuple(keys)
+        # A set's order (and repr) differs between processes: not the same on every rank.
+        if keys is not None and (not isinstance(keys, tuple) or not keys or not all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a non-empty "
+                             "sequence of str")
+        self.calibration_keys = keys
         self._config = {"comm": comm, "locality": str(locality), "partition": identity(partition),
                         "workload_fn": identity(workload_fn), "capacity": str(capacity),
-                        "calibrate": str(calibrate), "calibration_keys": str(calibration_keys),
+                        "calibrate": str(calibrate), "calibration_keys": str(self.calibration_keys),
                         "token_cap": repr(self.token_cap), "group_size": str(group_size),
                         "balancer": __version__}
         self._calibration = CalibrationState()

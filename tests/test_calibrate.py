@@ -123,8 +123,12 @@ def test_shuffler_learns_the_cost_model_from_measured_times() -> None:
 
 
 def test_calibration_keys_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"calibration_keys='a', expected None or a sequence of str"):
-        BatchShuffler(token_count, calibrate=True, calibration_keys="a")
+    for bad in ("a", [], {"a", "b"}, ["a", 1]):
+        with pytest.raises(ValueError, match=r"calibration_keys=.*, expected None or a non-empty sequence of str"):
+            BatchShuffler(token_count, calibrate=True, calibration_keys=bad)  # type: ignore[arg-type]
+    # An iterator is read once: the check must not consume it (it once left no keys).
+    it = BatchShuffler(token_count, calibrate=True, calibration_keys=iter(["a", "b"]))
+    assert it.calibration_keys == ("a", "b") and it._config["calibration_keys"] == "('a', 'b')"
     s = BatchShuffler(token_count, calibrate=True, calibration_keys=["a", "nope"])
     from balancer._layout import wire_layout
 

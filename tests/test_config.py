@@ -39,6 +39,7 @@ def test_frozen() -> None:
         ("pipeline", "semi_sync"),
         ("shuffle_timeout_s", 0),
         ("shuffle_timeout_s", float("nan")),
+        ("shuffle_timeout_s", 1e14),  # an OverflowError (timedelta) at the first shuffle once
         ("capacity", 0),
         ("capacity", 2.5),
     ],

@@ -491,9 +491,11 @@ def test_config_validation() -> None:
         BatchShuffler(token_count, partition=greedy, executor="process")
     assert BatchShuffler(token_count, partition=greedy).executor == "thread"
     assert BatchShuffler(token_count).executor == "process"
-    for bad in (0, -1.0, float("inf"), True, "5"):
-        with pytest.raises(ValueError, match=r"timeout=.*, expected a finite number of seconds > 0"):
+    # 1e10 passed the check once and failed at the first shuffle (threading.TIMEOUT_MAX).
+    for bad in (0, -1.0, float("inf"), True, "5", 1e10):
+        with pytest.raises(ValueError, match=r"timeout=.*, expected a number of seconds > 0 and <= 1e\+08"):
             BatchShuffler(token_count, timeout=bad)  # type: ignore[arg-type]
+    assert BatchShuffler(token_count, timeout=1e8).timeout == 1e8
     with pytest.raises(ValueError, match="workload_fn=None, expected a callable"):
         BatchShuffler(None)  # type: ignore[arg-type]
 
