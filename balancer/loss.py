@@ -64,6 +64,11 @@ def _rank(pg: ProcessGroup | None) -> int:
     return dist.get_rank(pg)
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float32 for half-precision losses (sums and counts past 65504)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _normalise(
     local_sum: torch.Tensor,
     local_count: torch.Tensor,
@@ -76,6 +81,10 @@ def _normalise(
             f"(rank {_rank(pg)})"
         )
     world = _world(pg)
+    # Half precision overflows at 65504: sums and the count of a large batch
+    # would turn into inf (and the loss into 0 or NaN). Accumulate in float32
+    # at least; the count travels as float64.
+    local_sum = local_sum.to(_accumulate_dtype(local_sum.dtype))
     count = local_count.detach().to(torch.float64).reshape(1).clone()
     if world > 1:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=pg)
@@ -107,8 +116,9 @@ def global_weighted_mean_loss(
             ``"sum"`` if summed.
 
     Returns:
-        A scalar loss to call ``backward`` on. Its average over ranks
-        (``"mean"``) or sum over ranks (``"sum"``) is the global weighted mean.
+        A scalar loss to call ``backward`` on (float32 for half-precision
+        ``losses``). Its average over ranks (``"mean"``) or sum over ranks
+        (``"sum"``) is the global weighted mean.
 
     Raises:
         ValueError: on a shape mismatch or an unknown ``grad_reduction``, before
@@ -119,9 +129,10 @@ def global_weighted_mean_loss(
             f"losses shape {tuple(losses.shape)} and weights shape {tuple(weights.shape)}, "
             f"expected both [N] (rank {_rank(pg)})"
         )
-    w = weights.to(losses.dtype)
-    contrib = torch.where(w != 0, losses * w, torch.zeros_like(losses))
-    return _normalise(contrib.sum(), w.sum(), pg, grad_reduction)
+    acc = _accumulate_dtype(losses.dtype)
+    w = weights.to(acc)
+    contrib = torch.where(w != 0, losses.to(acc) * w, torch.zeros((), dtype=acc, device=losses.device))
+    return _normalise(contrib.sum(), weights.detach().to(torch.float64).sum(), pg, grad_reduction)
 
 
 def global_mean_loss(
@@ -146,7 +157,8 @@ def global_mean_loss(
         grad_reduction: ``"mean"`` (DDP averages gradients) or ``"sum"``.
 
     Returns:
-        A scalar loss to call ``backward`` on.
+        A scalar loss to call ``backward`` on (float32 for half-precision
+        ``per_sample_loss``).
 
     Raises:
         ValueError: on a bad shape, ``num_real`` or ``grad_reduction``, before
@@ -159,7 +171,7 @@ def global_mean_loss(
     b = per_sample_loss.shape[0]
     if isinstance(num_real, bool) or not isinstance(num_real, int) or not 0 <= num_real <= b:
         raise ValueError(f"num_real={num_real!r}, expected an int in [0, {b}] (rank {_rank(pg)})")
-    real = per_sample_loss[:num_real]
+    real = per_sample_loss[:num_real].to(_accumulate_dtype(per_sample_loss.dtype))
     count = torch.tensor(float(num_real), dtype=torch.float64, device=per_sample_loss.device)
     return _normalise(real.sum(), count, pg, grad_reduction)
 

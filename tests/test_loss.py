@@ -119,3 +119,21 @@ def test_invalid_reduction_and_weights() -> None:
         global_mean_loss(torch.zeros(3), 3, grad_reduction="avg")
     with pytest.raises(ValueError, match=r"weights shape \(2,\)"):
         global_weighted_mean_loss(torch.zeros(3), torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_losses_over_many_items_keep_the_mean(dtype: torch.dtype) -> None:
+    # The weight sum (and the loss sum) once stayed in the losses' dtype: fp16
+    # overflows at 65504, and 70,000 tokens gave a loss of 0.
+    n = 70_000
+    losses = torch.full((n,), 0.5, dtype=dtype, requires_grad=True)
+    weights = torch.ones(n)
+    weights[:100] = 0  # masked tokens count for nothing
+    out = global_weighted_mean_loss(losses, weights)
+    assert out.dtype == torch.float32 and out.item() == 0.5
+    out.backward()
+    assert losses.grad is not None and losses.grad.dtype == dtype
+    assert losses.grad[:100].abs().sum().item() == 0
+    assert math.isclose(losses.grad[100:].float().sum().item(), 1.0, rel_tol=1e-2)
+    per_sample = torch.full((n,), 1.0, dtype=dtype)
+    assert global_mean_loss(per_sample, n).item() == 1.0  # the sum was inf in fp16
