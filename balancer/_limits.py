@@ -8,7 +8,8 @@ and imported where it is checked.
 
 from __future__ import annotations
 
-__all__ = ["DISPATCH_TOTAL", "MAX_COST", "MAX_LENGTH", "MAX_TIMEOUT_S", "MAX_TOTAL", "PACKED_KEY_LIMIT"]
+__all__ = ["DISPATCH_TOTAL", "LENGTHS_TOTAL", "MAX_COST", "MAX_LENGTH", "MAX_TIMEOUT_S", "MAX_TOTAL",
+           "PACKED_KEY_LIMIT"]
 
 MAX_COST = 2**62
 """Largest per-sample cost an estimator (:mod:`balancer.workloads`) returns.
@@ -45,6 +46,16 @@ MAX_LENGTH = 2**31 - 1
 
 Phase 1 sends every length as int32, two per int64 word of the message
 (:mod:`balancer._protocol`); a larger length is reported as invalid input.
+"""
+
+LENGTHS_TOTAL = 2**53
+"""The lengths (token counts) one call of the LLM planners (``plan_dispatch``,
+``plan_micro_batches``, ``BufferedDispatcher.put``) receives sum below this.
+
+The planners add lengths in float64 (token sums of groups and micro-batches,
+checked against ``max_tokens``), which holds every integer below ``2**53``
+exactly; a length of ``2**53 + 1`` would read as ``2**53`` and a total past it
+could pass a budget it exceeds.
 """
 
 MAX_TIMEOUT_S = 1e8

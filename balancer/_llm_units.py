@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from balancer._limits import LENGTHS_TOTAL
+
 __all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", "row_cost"]
 
 
@@ -31,11 +33,22 @@ def as_lengths(lengths: Any, where: str) -> np.ndarray:
         raise ValueError(f"lengths is empty, expected at least one sample ({where})")
     if arr.dtype.kind not in "biuf":
         raise ValueError(f"lengths has dtype {arr.dtype}, expected integer token counts ({where})")
+    if arr.dtype.kind in "iu":
+        # Checked as integers: float64 would round 2**53 + 1 and wrap 2**63 - 1.
+        big = arr >= LENGTHS_TOTAL
+        if big.any():
+            i = int(np.flatnonzero(big)[0])
+            raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer below 2**53 ({where})")
     x = arr.astype(np.float64)
-    bad = ~np.isfinite(x) | (x < 0) | (x != np.round(x))
+    bad = ~np.isfinite(x) | (x < 0) | (x != np.round(x)) | (x >= LENGTHS_TOTAL)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer >= 0 ({where})")
+        raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer >= 0 and below 2**53 ({where})")
+    # Exact in int64 unless the float64 sum is already far past the limit.
+    total = float(x.sum()) if float(x.sum()) >= 2.0**62 else int(x.astype(np.int64).sum())
+    if total >= LENGTHS_TOTAL:
+        raise ValueError(f"lengths sum to {total}, expected below 2**53 so that float64 sums them exactly "
+                         f"({where})")
     return x.astype(np.int64)
 
 

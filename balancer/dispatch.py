@@ -92,7 +92,7 @@ def _sub(un: Units, idx: np.ndarray) -> Units:
 
 
 def _scaled(x: np.ndarray) -> np.ndarray:
-    total = float(x.sum())
+    total = float(x.sum(dtype=np.float64))  # an int64 sum of large costs would wrap
     if x.dtype.kind == "i" and total < DISPATCH_TOTAL:
         return x
     return x.astype(np.float64) * (DISPATCH_TOTAL / total if total > DISPATCH_TOTAL else 1.0)
@@ -163,9 +163,10 @@ def plan_dispatch(
     (900 and 280 tokens: the huge sample alone, the bound).
 
     Args:
-        lengths: [N] token counts of the global batch (any per-sample
-            workload works when ``cost`` is ``None`` and no budget or padding
-            is involved).
+        lengths: [N] token counts of the global batch, integers >= 0
+            summing below ``2**53`` (any per-sample workload in that range
+            works when ``cost`` is ``None`` and no budget or padding is
+            involved; larger workloads go in ``cost``).
         world_size: W, ranks to dispatch to.
         cost: per-sample cost, as for
             :func:`~balancer.microbatch.plan_micro_batches` (default: tokens).

@@ -178,7 +178,10 @@ def _agree(k: int, fingerprint: int, failed: bool, units: int, pg: ProcessGroup 
 
 
 def _fingerprint(*settings: Any) -> int:
-    text = repr(tuple(s if dataclasses.is_dataclass(s) or s is None or isinstance(s, (int, bool))
+    # numpy scalars by value (np.int64(100) and np.int64(50) must differ), other
+    # objects (cost functions) by type name: their repr holds a per-process address.
+    text = repr(tuple(s.item() if isinstance(s, np.generic)
+                      else s if dataclasses.is_dataclass(s) or s is None or isinstance(s, (int, float, bool))
                       else type(s).__name__ for s in settings))
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -297,7 +300,7 @@ def plan_micro_batches(
 
     Args:
         lengths: [N] token counts of this rank's samples (list, ndarray or
-            CPU tensor; integers >= 0).
+            CPU tensor; integers >= 0 summing below ``2**53``).
         max_tokens: token budget per micro-batch (padded tokens with
             ``padded``), or ``None``.
         num_micro_batches: a fixed ``k``, or ``None``. A fixed ``k`` still

@@ -146,6 +146,8 @@ def test_host_only_no_torch_ops() -> None:
 @pytest.mark.parametrize(("lengths", "w", "kwargs", "match"), [
     ([], 2, {}, r"lengths is empty, expected at least one sample \(controller\)"),
     ([1, float("nan")], 2, {}, r"lengths\[1\] = nan, expected an integer >= 0"),
+    ([2**52, 2**52], 2, {}, r"lengths sum to 9007199254740992, expected below 2\*\*53 so that float64 sums them exactly "
+                                r"\(controller\)"),
     ([1, -3], 2, {}, r"lengths\[1\] = -3, expected an integer >= 0"),
     ([1, 2, 3], 2, {}, r"3 samples are not divisible by world_size=2 \(equal_count=True\)"),
     ([1, 2, 3], 4, {"equal_count": False}, r"3 samples for 4 ranks: a rank would be empty"),
@@ -206,3 +208,13 @@ def test_random_settings_give_a_valid_plan_or_a_value_error() -> None:
         if plan.micro_batches is not None and "num_micro_batches" not in kw:
             assert plan.num_micro_batches % kw.get("divisible_by", 1) == 0
     assert planned >= 40
+
+
+def test_integer_costs_of_any_size() -> None:
+    # Their int64 sum wrapped before the check: 4 x 2**61 raised "workloads sum to
+    # 9.22e+18, expected < 2**61" and 4 x 2**62 an OverflowError.
+    for big in (2**60, 2**61, 2**62):
+        for equal in (True, False):
+            plan = plan_dispatch([1, 2, 3, 4], 2, cost=np.array([big] * 4), equal_count=equal)
+            assert sorted(i for r in plan.ranks for i in r) == [0, 1, 2, 3]
+            assert [len(r) for r in plan.ranks] == [2, 2]

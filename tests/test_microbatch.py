@@ -203,7 +203,11 @@ def test_inputs_tensors_costs_and_restore() -> None:
      r"group of samples \[1, 2\] needs 2 rows x 3000 = 6000 tokens, more than max_tokens=5000"),
     ([], {}, r"lengths is empty, expected at least one sample \(rank 0\)"),
     ([[1, 2]], {}, r"lengths has shape \(1, 2\), expected 1-D \[N\]"),
-    ([3, float("nan")], {}, r"lengths\[1\] = nan, expected an integer >= 0 \(rank 0\)"),
+    ([3, float("nan")], {}, r"lengths\[1\] = nan, expected an integer >= 0 and below 2\*\*53 \(rank 0\)"),
+    # float64 once read 2**53 + 1 as 2**53 (a group over its budget passed) and 2**63 - 1 as -2**63
+    (np.array([2**53 + 1]), {}, r"lengths\[0\] = 9007199254740993, expected an integer below 2\*\*53"),
+    (np.array([5, 2**63 - 1]), {}, r"lengths\[1\] = 9223372036854775807, expected an integer below 2\*\*53"),
+    ([2**52, 2**52], {}, r"lengths sum to 9007199254740992, expected below 2\*\*53"),
     ([3, -1], {}, r"lengths\[1\] = -1, expected an integer >= 0"),
     ([3, 1.5], {}, r"lengths\[1\] = 1.5, expected an integer >= 0"),
     ([1, 2, 3], {"num_micro_batches": 6, "divisible_by": 4},
@@ -232,6 +236,8 @@ def _worker_agree(rank: int, world_size: int) -> dict:
     out["k"] = (plan.num_micro_batches, plan.local_min)
     cases = {
         "settings": {"lengths": [5, 5], "max_tokens": [10, 20][rank]},
+        # numpy ints were fingerprinted by type alone: 100 and 50 looked alike
+        "numpy_settings": {"lengths": [5, 5], "max_tokens": np.int64([100, 50][rank])},
         "too_long": {"lengths": [[5, 5], [5, 50]][rank], "max_tokens": 10},
         "too_few": {"lengths": [[5] * 2, [5] * 8][rank], "max_tokens": 10},
         "fixed_vs_free": {"lengths": [5] * 4, "max_tokens": 10, "num_micro_batches": [2, None][rank]},
@@ -250,8 +256,9 @@ def _worker_agree(rank: int, world_size: int) -> dict:
 def test_same_count_on_every_rank_and_errors_everywhere() -> None:
     r0, r1 = run_workers(_worker_agree, 2)
     assert r0["k"] == (4, 2) and r1["k"] == (4, 4), "one MAX all-reduce, rounded to divisible_by"
-    assert "different settings on different ranks" in r0["settings"]
-    assert "different settings on different ranks" in r1["settings"]
+    for name in ("settings", "numpy_settings"):
+        assert "different settings on different ranks" in r0[name]
+        assert "different settings on different ranks" in r1[name]
     # a fixed k next to a computed one: an error on both ranks, not a hang in the all-reduce
     assert "different settings on different ranks" in r0["fixed_vs_free"]
     assert "different settings on different ranks" in r1["fixed_vs_free"]
