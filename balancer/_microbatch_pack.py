@@ -7,8 +7,10 @@ Units are samples, or groups of samples that must stay together.
   slowest micro-batch subject to a hard token cap. Starts: LPT by cost under
   the cap (``balancer/partition/_free.py``) and Karmarkar-Karp by cost (when
   it fits the cap); if neither fits, a token-balanced partition (the best
-  packing check we have: it minimises the largest token sum). Each start is
-  refined by cost without breaking the cap; the best one is kept.
+  packing check we have: it minimises the largest token sum), and when that
+  breaks the cap too, for up to ``_EXACT_UNITS`` units, an exhaustive search
+  for any packing (:func:`fit_tokens`). Each start is refined by cost without
+  breaking the cap; the best one is kept.
 * **Padded cost** (:func:`segment_padded`): a micro-batch is padded to its
   longest unit, so it costs ``rows x cost(longest)`` and holds ``rows x
   longest`` tokens. The rank's time is the *sum* over its micro-batches. An
@@ -18,7 +20,11 @@ Units are samples, or groups of samples that must stay together.
   over run boundaries; larger ones a heuristic: splitting a run never costs
   more, so it starts from the fewest runs the caps allow (greedy), splits the
   run whose best split saves most until there are ``k``, then moves each
-  boundary to its best position while that helps.
+  boundary to its best position while that helps. Contiguous runs are optimal
+  only while every unit is one row: a group of several samples takes rows of
+  a run it does not set the length of. With such groups
+  (:func:`pack_padded_groups`) first-fit decreasing by length is tried next to
+  the runs, and the cheaper cut kept.
 """
 
 from __future__ import annotations
@@ -29,10 +35,15 @@ import numpy as np
 
 from balancer.partition._free import free_assign
 
-__all__ = ["kk_labels", "max_ends", "min_segments", "pack_sum", "segment_padded"]
+__all__ = ["first_fit_padded", "fit_tokens", "kk_labels", "max_ends", "min_segments", "pack_padded_groups",
+           "pack_sum", "segment_padded"]
 
 _POLISH_SWEEPS = 8
 _DP_CELLS = 1 << 20  # exact dynamic program when U * U * k is at most this (~10 ms)
+# pack_sum: when every start breaks the cap, search all packings of up to this
+# many units, visiting at most _EXACT_NODES partial packings (~0.5 s at most)
+_EXACT_UNITS = 24
+_EXACT_NODES = 200_000
 
 
 def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> np.ndarray | None:
@@ -63,13 +74,137 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
         found.append(_refined(cost, k, sizes, cap, kk))
     if not found:
         assert cap is not None, "without a cap LPT always succeeds"
-        by_tokens = free_assign(tokens, k, 1)
+        by_tokens: np.ndarray | None = free_assign(tokens, k, 1)
         assert by_tokens is not None, "no cap, always placed"
         if np.bincount(by_tokens, weights=tokens, minlength=k).max() > cap:
-            return None
+            by_tokens = fit_tokens(tokens, k, cap) if tokens.size <= _EXACT_UNITS else None
+            if by_tokens is None:
+                return None
         found.append(_refined(cost, k, tokens, cap, by_tokens))
     tops = [np.bincount(f, weights=cost, minlength=k).max() for f in found]
     return found[int(np.argmin(tops))]
+
+
+def fit_tokens(tokens: np.ndarray, k: int, cap: int) -> np.ndarray | None:
+    """Any packing of the units into ``k`` non-empty parts of at most ``cap`` tokens:
+    part id per unit, or ``None`` if there is none (or none within ``_EXACT_NODES``).
+
+    Depth-first, largest unit first; a unit tries only one part of each load
+    (parts of equal load are interchangeable), and a branch ends where the
+    tokens left exceed the room left or the units left cannot fill the empty
+    parts. E.g. ``[15, 15, 14, 11, 8, 8, 6, 5, 5]`` into 3 parts of 29:
+    ``[15, 14]``, ``[15, 8, 6]``, ``[11, 8, 5, 5]``, which first-fit
+    decreasing (4 parts) and a token-balanced partition miss.
+    """
+    order = np.argsort(-tokens, kind="stable")
+    t = [int(v) for v in tokens[order]]
+    n = len(t)
+    after = [0] * (n + 1)  # tokens of units i.. in that order
+    for i in range(n - 1, -1, -1):
+        after[i] = after[i + 1] + t[i]
+    if after[0] > k * cap or n < k:
+        return None
+    load = [0] * k
+    count = [0] * k
+    place = [-1] * n
+    nodes = 0
+
+    def go(i: int) -> bool:
+        nonlocal nodes
+        if i == n:
+            return True
+        nodes += 1
+        if nodes > _EXACT_NODES or after[i] > k * cap - sum(load) or n - i < count.count(0):
+            return False
+        tried = set()
+        for j in range(k):
+            if load[j] + t[i] > cap or load[j] in tried:
+                continue
+            tried.add(load[j])
+            load[j] += t[i]
+            count[j] += 1
+            place[i] = j
+            if go(i + 1):
+                return True
+            load[j] -= t[i]
+            count[j] -= 1
+        return False
+
+    if not go(0):
+        return None
+    labels = np.empty(n, np.int64)
+    labels[order] = place
+    return labels
+
+
+def first_fit_padded(head: np.ndarray, rows: np.ndarray, cap: int | None, max_rows: int | None) -> list[list[int]]:
+    """First-fit decreasing by length: micro-batches (lists of unit indices) within the caps.
+
+    Units are taken longest first (ties by index); each goes to the first
+    micro-batch that stays within ``cap`` (rows x its first, longest unit)
+    and ``max_rows``, or opens a new one.
+    """
+    order = np.lexsort((np.arange(head.size), -head)).tolist()
+    first: list[int] = []  # the longest length of each micro-batch
+    used: list[int] = []  # its rows
+    out: list[list[int]] = []
+    for u in order:
+        r, h = int(rows[u]), int(head[u])
+        for m, (h0, n0) in enumerate(zip(first, used, strict=True)):
+            if (cap is None or (n0 + r) * h0 <= cap) and (max_rows is None or n0 + r <= max_rows):
+                used[m] += r
+                out[m].append(u)
+                break
+        else:
+            first.append(h)
+            used.append(r)
+            out.append([u])
+    return out
+
+
+def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: int | None,
+                       max_rows: int | None, k: int) -> list[list[int]] | None:
+    """``k`` padded micro-batches (lists of unit indices), the cheaper of contiguous
+    length runs (:func:`segment_padded`) and first-fit decreasing split up to
+    ``k``; ``None`` if neither fits ``k``.
+
+    Splitting a micro-batch never costs more (each half's longest is at most
+    the whole's), so first-fit's micro-batches are split, the split that saves
+    most first (a micro-batch's shortest units moved out), until there are ``k``.
+
+    Args:
+        head: [U] longest length per unit; rows: [U] rows per unit; c: [U]
+            per-row cost at ``head``; cap, max_rows: the budgets; ``1 <= k <= U``.
+    """
+    order = np.lexsort((np.arange(head.size), -head))
+    ends = max_ends(head[order], rows[order], cap, max_rows)
+    cands: list[list[list[int]]] = []
+    cuts = segment_padded(c[order], rows[order], ends, k)
+    if cuts is not None:
+        cands.append([order[a:b].tolist() for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
+    ffd = first_fit_padded(head, rows, cap, max_rows)
+    if len(ffd) <= k:
+        while len(ffd) < k:
+            # The best single split: the units after position t of a micro-batch
+            # (longest first) move out, saving rows(after) x (c(first) - c(t)).
+            best: tuple[float, int, int] | None = None
+            for m, units in enumerate(ffd):
+                units.sort(key=lambda u: (-int(head[u]), u))
+                for t in range(1, len(units)):
+                    gain = float(rows[units[t:]].sum()) * float(c[units[0]] - c[units[t]])
+                    if best is None or gain > best[0]:
+                        best = (gain, m, t)
+            assert best is not None, "k <= U leaves a micro-batch to split"
+            _, m, t = best
+            ffd.append(ffd[m][t:])
+            ffd[m] = ffd[m][:t]
+        cands.append(ffd)
+    if not cands:
+        return None
+    def total(mbs: list[list[int]]) -> float:
+        return sum(float(rows[m].sum()) * float(c[max(m, key=lambda u: (int(head[u]), -u))]) for m in mbs)
+
+    return min(cands, key=total)
 
 
 def _refined(cost: np.ndarray, k: int, sizes: np.ndarray | None, cap: int | None,

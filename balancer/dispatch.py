@@ -28,7 +28,14 @@ import numpy as np
 
 from balancer._limits import DISPATCH_TOTAL
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
-from balancer._microbatch_pack import kk_labels, max_ends, min_segments, segment_padded
+from balancer._microbatch_pack import (
+    first_fit_padded,
+    kk_labels,
+    max_ends,
+    min_segments,
+    pack_padded_groups,
+    segment_padded,
+)
 from balancer.microbatch import MicroBatchPlan, _finish, _local_k, _plan_k
 from balancer.partition import balanced_partition, lower_bound
 from balancer.partition._bound import bound_sorted
@@ -283,7 +290,10 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
     u = un.tokens.size
     order = np.lexsort((np.arange(u), -un.head))
     ends = max_ends(un.head[order], un.rows[order], cap, mbs)
+    grouped = bool(un.rows.max(initial=1) > 1)
     fewest = len(min_segments(ends)) - 1
+    if grouped:  # contiguous runs are not always the fewest: first-fit decreasing too
+        fewest = min(fewest, len(first_fit_padded(un.head, un.rows, cap, mbs)))
     if num is not None:
         if num % div or num < lo:
             raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
@@ -295,12 +305,20 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
         k = 1  # one padded batch per rank
     if w * k > u:
         raise ValueError(f"{w} ranks x {k} micro-batches need {w * k} {kind}, only {u} given ({_WHERE})")
-    bounds = segment_padded(un.head_cost[order], un.rows[order], ends, w * k)
-    if bounds is None:
+    runs: list[np.ndarray] | None = None
+    if grouped:
+        found = pack_padded_groups(un.head, un.rows, un.head_cost, cap, mbs, w * k)
+        if found is not None:
+            runs = [np.asarray(sorted(m, key=lambda i: (-int(un.head[i]), i)), np.int64) for m in found]
+    else:
+        bounds = segment_padded(un.head_cost[order], un.rows[order], ends, w * k)
+        if bounds is not None:
+            runs = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if runs is None:
+        need = "are needed" if not grouped else "were found"
         raise ValueError(f"num_micro_batches={k} per rank cannot hold these {kind} under the budget "
-                         f"(max_tokens={cap}, micro_batch_size={mbs}): {fewest} micro-batches are "
-                         f"needed in all ({_WHERE})")
-    runs = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+                         f"(max_tokens={cap}, micro_batch_size={mbs}): {fewest} micro-batches {need} "
+                         f"in all ({_WHERE})")
     run_cost = np.array([float(un.rows[r].sum() * un.head_cost[r[0]]) for r in runs])
     x = _scaled(run_cost)
     deal = _equal_split(x, w)

@@ -29,7 +29,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
-from balancer._microbatch_pack import max_ends, min_segments, pack_sum, segment_padded
+from balancer._microbatch_pack import (
+    first_fit_padded,
+    max_ends,
+    min_segments,
+    pack_padded_groups,
+    pack_sum,
+    segment_padded,
+)
 from balancer.partition._bound import bound_sorted
 
 logger = logging.getLogger(__name__)
@@ -53,7 +60,9 @@ class MicroBatchPlan:
     budget, before ``min_micro_batches``, ``divisible_by`` and the agreement."""
     token_bound: int
     """No cut fits the budget in fewer: ``ceil(tokens / max_tokens)`` (padded:
-    the greedy run count, which is exact); 1 without a budget."""
+    the greedy run count, which is exact when every unit is one sample; with
+    groups of several samples, the larger of ``ceil(tokens / max_tokens)`` and
+    ``ceil(rows / micro_batch_size)``); 1 without a budget."""
     padded: bool
     """Whether costs are padded (``rows x cost(longest)``) or summed."""
     costs: np.ndarray
@@ -105,6 +114,14 @@ def _rank_of(pg: ProcessGroup | None) -> int:
 # ------------------------------------------------------------------ planning
 def _plan_k(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool) -> Any:
     """The cut at ``k`` (labels [U] or run boundaries), or ``None`` if it does not fit."""
+    if padded and _grouped(un):
+        found = pack_padded_groups(un.head, un.rows, un.head_cost, cap, mbs, k)
+        if found is None:
+            return None
+        labels = np.empty(un.head.size, np.int64)
+        for j, members in enumerate(found):
+            labels[members] = j
+        return labels
     if padded:
         order = np.lexsort((np.arange(un.head.size), -un.head))
         ends = max_ends(un.head[order], un.rows[order], cap, mbs)
@@ -117,6 +134,22 @@ def _plan_k(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool) -
     return pack_sum(un.cost, un.tokens, k, cap)
 
 
+def _grouped(un: Units) -> bool:
+    """Whether a unit is a group of several samples (padded runs are then not always optimal)."""
+    return bool(un.rows.max(initial=1) > 1)
+
+
+def _padded_fewest(un: Units, cap: int | None, mbs: int | None) -> tuple[int, int]:
+    """``(a lower bound on the padded micro-batch count, the fewest a cut found)``."""
+    order = np.lexsort((np.arange(un.head.size), -un.head))
+    runs = len(min_segments(max_ends(un.head[order], un.rows[order], cap, mbs))) - 1
+    if not _grouped(un):
+        return runs, runs  # contiguous runs are optimal: exact
+    by_tokens = -(-int(un.tokens.sum()) // cap) if cap else 1
+    by_rows = -(-int(un.rows.sum()) // mbs) if mbs else 1
+    return max(by_tokens, by_rows), min(runs, len(first_fit_padded(un.head, un.rows, cap, mbs)))
+
+
 def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int | None,
              lo: int, div: int, where: str, strict: bool = True) -> tuple[int, int, dict[int, Any]]:
     """``(k this rank needs, token bound, {k: cut})``; raises if impossible.
@@ -126,10 +159,9 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
     """
     u = un.tokens.size
     if padded:
-        order = np.lexsort((np.arange(u), -un.head))
-        bound = len(min_segments(max_ends(un.head[order], un.rows[order], cap, mbs))) - 1
+        bound, fewest = _padded_fewest(un, cap, mbs)
     else:
-        bound = -(-int(un.tokens.sum()) // cap) if cap else 1
+        bound = fewest = -(-int(un.tokens.sum()) // cap) if cap else 1
     units = "samples" if all(m.size == 1 for m in un.members) else "groups"
     if num is not None:
         if num % div or num < lo:
@@ -143,11 +175,15 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
         cut = _plan_k(un, num, cap, mbs, padded)
         if cut is None:
             rows = f", micro_batch_size={mbs}" if padded else ""
-            raise ValueError(f"num_micro_batches={num} cannot hold these {units} under the budget "
-                             f"(max_tokens={cap}{rows}); at least {max(bound, num + 1)} are needed "
-                             f"({where})")
+            if bound > num:
+                raise ValueError(f"num_micro_batches={num} cannot hold these {units} under the budget "
+                                 f"(max_tokens={cap}{rows}); at least {bound} are needed ({where})")
+            # Packing under a budget is bin packing: the search may miss a tight fit.
+            raise ValueError(f"num_micro_batches={num}: no packing of these {units} under the budget "
+                             f"(max_tokens={cap}{rows}) was found, though the token count alone "
+                             f"allows {bound}; pass more micro-batches or a larger budget ({where})")
         return num, bound, {num: cut}
-    k = -(-max(lo, bound) // div) * div
+    k = -(-max(lo, fewest) // div) * div
     while True:
         if k > u:
             if not strict:

@@ -218,3 +218,13 @@ def test_integer_costs_of_any_size() -> None:
             plan = plan_dispatch([1, 2, 3, 4], 2, cost=np.array([big] * 4), equal_count=equal)
             assert sorted(i for r in plan.ranks for i in r) == [0, 1, 2, 3]
             assert [len(r) for r in plan.ranks] == [2, 2]
+
+
+def test_padded_groups_are_not_only_length_runs() -> None:
+    # The padded dispatch cut length-sorted groups into contiguous runs only, which
+    # needs 3 micro-batches here; [0, 4] (2 x 10 tokens) and [1, 2, 3] (3 x 9) fit in 2.
+    plan = plan_dispatch([10, 9, 9, 9, 8], 1, groups=[0, 1, 1, 1, 2], max_tokens=30, padded=True,
+                         num_micro_batches=2)
+    assert plan.micro_batches == [[[1, 2, 3], [0, 4]]]
+    assert plan_dispatch([10, 9, 9, 9, 8], 1, groups=[0, 1, 1, 1, 2], max_tokens=30,
+                         padded=True).num_micro_batches == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -269,3 +270,80 @@ def test_same_count_on_every_rank_and_errors_everywhere() -> None:
         assert msg == (f"the ranks need 4 micro-batches but one has only 2 samples or groups: "
                        f"a micro-batch would be empty (rank {r})")
     assert (r0["local"], r1["local"]) == (2, 4)
+
+
+# ------------------------------------------------------------ against brute force
+def _set_partitions(n: int, k: int) -> Iterator[list[int]]:
+    """Every assignment of n units to exactly k unlabelled non-empty parts."""
+    def rec(i: int, labels: list[int], m: int) -> Iterator[list[int]]:
+        if i == n:
+            if m == k:
+                yield list(labels)
+            return
+        if k - m > n - i:
+            return
+        for j in range(m + (m < k)):
+            labels.append(j)
+            yield from rec(i + 1, labels, max(m, j + 1))
+            labels.pop()
+    yield from rec(0, [], 0)
+
+
+def _fits(parts: list[list[int]], lens: list[int], cap: int | None, mbs: int | None, padded: bool) -> bool:
+    for p in parts:
+        tokens = len(p) * max(lens[i] for i in p) if padded else sum(lens[i] for i in p)
+        if (cap is not None and tokens > cap) or (padded and mbs is not None and len(p) > mbs):
+            return False
+    return True
+
+
+def _feasible(lens: list[int], groups: list[int] | None, cap: int | None, mbs: int | None, padded: bool,
+              k: int) -> bool:
+    ids = list(dict.fromkeys(groups if groups is not None else range(len(lens))))
+    members = [[i for i in range(len(lens)) if (groups[i] if groups is not None else i) == g] for g in ids]
+    return any(_fits([[i for j, m in enumerate(members) if lab[j] == q for i in m] for q in range(k)],
+                     lens, cap, mbs, padded) for lab in _set_partitions(len(members), k))
+
+
+def test_small_cases_match_brute_force() -> None:
+    # Padded groups of several samples were cut into length-contiguous runs only
+    # (k=3 for [10, 9, 9, 9, 8], groups [0, 1, 1, 1, 2], 30 tokens, where [0, 4] and
+    # [1, 2, 3] fit); a tight fixed count was refused with "at least 4 are needed".
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        n = int(rng.integers(1, 8))
+        lens = rng.integers(0, 12, n).tolist()
+        padded = bool(rng.random() < 0.5)
+        cap = int(rng.integers(1, 40)) if rng.random() < 0.8 else None
+        mbs = int(rng.integers(1, 4)) if padded and rng.random() < 0.5 else None
+        groups = rng.integers(0, n // 2 + 1, n).tolist() if rng.random() < 0.5 else None
+        kw = {"max_tokens": cap, "micro_batch_size": mbs, "padded": padded, "groups": groups}
+        units = len(set(groups)) if groups is not None else n
+        ok_k = [k for k in range(1, units + 1) if _feasible(lens, groups, cap, mbs, padded, k)]
+        if not ok_k:
+            with pytest.raises(ValueError):
+                plan_micro_batches(lens, **kw)
+            continue
+        plan = plan_micro_batches(lens, **kw)
+        assert plan.num_micro_batches == ok_k[0], (lens, kw, plan.micro_batches, ok_k)
+        assert plan.token_bound <= ok_k[0]
+        assert _fits(plan.micro_batches, lens, cap, mbs, padded)
+        assert sorted(i for m in plan.micro_batches for i in m) == list(range(n))
+        for k in range(1, units + 1):
+            if k in ok_k:
+                fixed = plan_micro_batches(lens, num_micro_batches=k, **kw)
+                assert fixed.num_micro_batches == k and _fits(fixed.micro_batches, lens, cap, mbs, padded)
+            else:
+                with pytest.raises(ValueError):
+                    plan_micro_batches(lens, num_micro_batches=k, **kw)
+
+
+def test_grouped_padded_and_tight_packings() -> None:
+    plan = plan_micro_batches([10, 9, 9, 9, 8], groups=[0, 1, 1, 1, 2], max_tokens=30, padded=True)
+    assert plan.micro_batches == [[1, 2, 3], [0, 4]] and plan.token_bound == 2
+    plan = plan_micro_batches([0, 4, 4, 6], groups=[1, 0, 0, 2], padded=True, micro_batch_size=2, divisible_by=2)
+    assert sorted(map(sorted, plan.micro_batches)) == [[0, 3], [1, 2]]
+    lens = [15, 14, 6, 5, 8, 15, 8, 5, 11]  # 3 x 29 tokens exactly
+    plan = plan_micro_batches(lens, max_tokens=29, num_micro_batches=3)
+    assert plan.tokens.tolist() == [29, 29, 29]
+    assert plan_micro_batches(lens, max_tokens=29).num_micro_batches == 3
