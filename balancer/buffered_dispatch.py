@@ -89,7 +89,10 @@ class BufferedDispatcher:
         cost, padded, micro_batch_size, max_tokens, num_micro_batches,
             min_micro_batches, divisible_by: passed to
             :func:`~balancer.dispatch.plan_dispatch` (``equal_count`` is
-            always ``True``: every rank gets ``samples_per_rank``).
+            ``True`` but in a last partial round: every rank gets
+            ``samples_per_rank`` samples; with ``padded`` every rank gets
+            the same number of length-homogeneous micro-batches instead, and
+            the ``S`` samples of a round are shared unevenly).
             ``padded`` scoring needs ``micro_batch_size``.
 
     Raises:
@@ -132,7 +135,13 @@ class BufferedDispatcher:
         if ids is None:
             new = np.arange(self._next_id, self._next_id + lens.size, dtype=np.int64)
         else:
-            new = np.asarray(ids, dtype=np.int64)
+            raw = np.asarray(ids)
+            if raw.dtype.kind not in "iuf" or (raw.dtype.kind == "f" and not np.all(raw == np.round(raw))):
+                bad = next((i for i, v in enumerate(raw.ravel().tolist())
+                            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != round(v)), 0)
+                raise ValueError(f"ids[{bad}] = {raw.ravel()[bad].item()!r}, expected an integer "
+                                 "(BufferedDispatcher.put)")
+            new = raw.astype(np.int64)
             if new.shape != lens.shape:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
             if np.intersect1d(new, self._ids).size or np.unique(new).size != new.size:
@@ -153,11 +162,16 @@ class BufferedDispatcher:
         Args:
             flush: allow a round from a partly filled window (at the end of
                 data); needs ``S`` samples unless fewer remain in all, then the
-                rest goes out with unequal shares where needed.
+                rest goes out with unequal shares where needed: with fewer
+                samples than ranks, ranks ``count ..`` get nothing (an empty
+                share and no micro-batches), which a loop whose ranks must all
+                step together has to skip or pad.
 
         Raises:
-            ValueError: fewer than ``S`` samples buffered without ``flush``, or
-                an empty buffer.
+            ValueError: fewer than ``S`` samples buffered without ``flush``, an
+                empty buffer, or ``plan_dispatch``'s error for the round (too
+                few samples for the micro-batches asked for); the buffer is
+                then unchanged.
         """
         n, s = self.pending, self._size
         if n == 0 or (n < s and not flush):
@@ -166,13 +180,11 @@ class BufferedDispatcher:
         lens = self._lens[take]
         count = take.size
         kwargs = dict(self._kwargs)
-        if count % self._w:
-            if self._padded:
-                raise ValueError(f"the last {count} samples are not divisible by world_size="
-                                 f"{self._w}; padded rounds give every rank whole micro-batches")
+        if count % self._w and not self._padded:  # padded shares are whole micro-batches already
             kwargs["equal_count"] = False
-        plan = plan_dispatch(lens, self._w, cost=self._cost, padded=self._padded,
-                             micro_batch_size=self._mbs, **kwargs)
+        ranks = min(self._w, count)  # a last round of fewer samples than ranks: some get none
+        plan = _with_empty_ranks(plan_dispatch(lens, ranks, cost=self._cost, padded=self._padded,
+                                               micro_batch_size=self._mbs, **kwargs), self._w)
         out = DispatchRound(ids=self._ids[take], plan=plan, round=self._round,
                             max_lag=int(self._round - (self._seq[take] // s).min()))
         keep = np.ones(n, bool)
@@ -234,3 +246,20 @@ class BufferedDispatcher:
         good = np.flatnonzero(score <= max(float(score.min()), 1.0) * (1 + _TOL))
         best = good[np.argmax(age[rows[good]].sum(axis=1))]
         return np.sort(rows[best])
+
+
+def _with_empty_ranks(plan: DispatchPlan, w: int) -> DispatchPlan:
+    """``plan`` for fewer ranks than ``w``, extended with empty shares (unchanged if complete)."""
+    extra = w - len(plan.ranks)
+    if extra == 0:
+        return plan
+    zeros = np.zeros(extra)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, zeros.astype(a.dtype)])
+
+    return dataclasses.replace(
+        plan, ranks=plan.ranks + [[] for _ in range(extra)],
+        micro_batches=None if plan.micro_batches is None else plan.micro_batches + [[] for _ in range(extra)],
+        loads=pad(plan.loads), tokens=pad(plan.tokens), padded_tokens=pad(plan.padded_tokens),
+        loads_before=pad(plan.loads_before), padded_tokens_before=pad(plan.padded_tokens_before))

@@ -179,6 +179,8 @@ def plan_dispatch(
             :func:`~balancer.microbatch.plan_micro_batches` (default: tokens).
         equal_count: every rank gets the same number of units (samples or
             groups; N must be divisible by W); ``False``: any number >= 1.
+            With ``padded`` every rank gets the same number of micro-batches
+            instead (of any size, so N need not be divisible by W).
         max_tokens, num_micro_batches, min_micro_batches, divisible_by,
             micro_batch_size: cut every share into the same number of
             micro-batches (given, or the fewest under ``max_tokens`` over all
@@ -198,7 +200,7 @@ def plan_dispatch(
     Raises:
         ValueError: as :func:`~balancer.microbatch.plan_micro_batches`; N
             (or the group count) not divisible by ``world_size`` with
-            ``equal_count``; fewer units than ranks; ``padded`` with
+            ``equal_count`` (not ``padded``); fewer units than ranks; ``padded`` with
             ``equal_count=False``; or too few units per rank for ``k``
             micro-batches.
     """
@@ -222,7 +224,7 @@ def plan_dispatch(
     kind = "samples" if groups is None else "groups"
     if u < w:
         raise ValueError(f"{u} {kind} for {w} ranks: a rank would be empty ({where})")
-    if equal_count and u % w:
+    if equal_count and u % w and not padded:  # padded: equal micro-batch counts, not units
         raise ValueError(f"{u} {kind} are not divisible by world_size={w} (equal_count=True); "
                          f"pass equal_count=False for unequal shares ({where})")
     cut = max_tokens is not None or num_micro_batches is not None or micro_batch_size is not None

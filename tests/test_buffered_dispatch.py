@@ -94,7 +94,27 @@ def test_errors() -> None:
         disp.next()
     with pytest.raises(ValueError, match=r"lengths\[0\] = -1, expected an integer >= 0"):
         disp.put([-1])
-    odd = BufferedDispatcher(2, 2, padded=True, micro_batch_size=1)
-    odd.put([4, 5, 6])
-    with pytest.raises(ValueError, match="the last 3 samples are not divisible by world_size=2"):
-        odd.next(flush=True)
+    disp.put([3, 4, 5], ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"ids\[0\] = 1.5, expected an integer"):
+        disp.put([1], ids=[1.5])  # once truncated to 1, silently
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_drain_sends_every_sample_even_fewer_than_ranks(padded: bool) -> None:
+    # The leftover once raised ("1 samples for 2 ranks", or "not divisible by
+    # world_size" when padded) and stayed in the buffer for good.
+    kw = {"padded": True, "micro_batch_size": 2} if padded else {}
+    for total in (3, 5, 9):
+        disp = BufferedDispatcher(4, 2, window=1, **kw)
+        disp.put(list(range(10, 10 + total)))
+        rounds = disp.drain()
+        assert disp.pending == 0
+        sent = sorted(int(i) for rnd in rounds for r in range(4) for i in rnd.rank_ids(r))
+        assert sent == list(range(total))
+        last = rounds[-1]
+        assert len(last.plan.ranks) == 4 and last.plan.loads.shape == (4,)
+        empty = [r for r in range(4) if not last.plan.ranks[r]]
+        assert len(empty) == max(0, 4 - (total % 8))  # fewer samples than ranks: the rest get none
+        if padded:
+            assert last.plan.micro_batches is not None
+            assert all(last.plan.micro_batches[r] == [] for r in empty)
