@@ -22,10 +22,7 @@ __all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", 
 
 def as_lengths(lengths: Any, where: str) -> np.ndarray:
     if isinstance(lengths, torch.Tensor):
-        if lengths.device.type != "cpu":
-            raise ValueError(f"lengths is on {lengths.device}, expected a host array: reading a "
-                             f"device tensor would synchronise ({where})")
-        lengths = lengths.numpy()
+        lengths = _host_numpy(lengths, "lengths", where)
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths has shape {tuple(arr.shape)}, expected 1-D [N] ({where})")
@@ -52,6 +49,17 @@ def as_lengths(lengths: Any, where: str) -> np.ndarray:
     return x.astype(np.int64)
 
 
+def _host_numpy(t: torch.Tensor, name: str, where: str) -> np.ndarray:
+    """A CPU tensor as numpy (detached; half floats widened: numpy has no bfloat16)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, expected a host array: reading a "
+                         f"device tensor would synchronise ({where})")
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.to(torch.float64)
+    return t.numpy()
+
+
 def row_cost(cost: Any) -> Callable[[np.ndarray], np.ndarray] | None:
     """Per-sample cost as a function of length, or ``None`` for a per-sample array."""
     if cost is None:
@@ -69,9 +77,12 @@ def row_cost(cost: Any) -> Callable[[np.ndarray], np.ndarray] | None:
 def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
     fn = row_cost(cost)
     out = fn(lengths) if fn is not None else np.asarray(
-        cost.numpy() if isinstance(cost, torch.Tensor) else cost)
+        _host_numpy(cost, "cost", where) if isinstance(cost, torch.Tensor) else cost)
     if out.shape != lengths.shape:
         raise ValueError(f"cost gives shape {tuple(out.shape)}, expected [{lengths.size}] ({where})")
+    if out.dtype.kind not in "biuf":
+        raise ValueError(f"cost has dtype {out.dtype}, expected numbers per sample, a function of length "
+                         f"or None ({where})")
     if out.dtype.kind not in "biu":
         out = out.astype(np.float64)
         bad = ~np.isfinite(out) | (out < 0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -50,6 +51,16 @@ _T = TypeVar("_T")
 # value read in the caller's per-step path.
 _CHECK_CONTENTS: contextvars.ContextVar[bool] = contextvars.ContextVar("balancer_check_contents", default=True)
 
+
+
+def as_count(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy ones too; not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 @dataclasses.dataclass(kw_only=True)
 class BaseBatch(Pipelineable):
@@ -90,11 +101,13 @@ class BaseBatch(Pipelineable):
             raise ValueError(f"batch_size={self.batch_size}, expected >= 1")
         if self.actual_batch_size is None:
             self.actual_batch_size = self.batch_size
-        if not 0 <= self.actual_batch_size <= self.batch_size:
+        a = as_count(self.actual_batch_size)
+        if a is None or not 0 <= a <= self.batch_size:
             raise ValueError(
-                f"actual_batch_size={self.actual_batch_size}, expected "
+                f"actual_batch_size={self.actual_batch_size!r}, expected an int with "
                 f"0 <= actual_batch_size <= batch_size={self.batch_size}"
             )
+        self.actual_batch_size = a
         if not isinstance(self.features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(self.features).__name__}")
         keys = self.features.keys()

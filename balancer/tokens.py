@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from balancer.batch import as_count
+
 __all__ = ["TokenBatch"]
 
 
@@ -70,9 +72,11 @@ class TokenBatch:
             raise ValueError(f"batch_size={b!r}, expected an int >= 1")
         if self.actual_batch_size is None:
             self.actual_batch_size = b
-        if not 0 <= self.actual_batch_size <= b:
-            raise ValueError(f"actual_batch_size={self.actual_batch_size}, expected 0 <= actual_batch_size "
-                             f"<= batch_size={b}")
+        a = as_count(self.actual_batch_size)
+        if a is None or not 0 <= a <= b:
+            raise ValueError(f"actual_batch_size={self.actual_batch_size!r}, expected an int with "
+                             f"0 <= actual_batch_size <= batch_size={b}")
+        self.actual_batch_size = a
         if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
             raise ValueError(f"pad_multiple={self.pad_multiple!r}, expected an int >= 1")
         s = self.seq_lens
@@ -136,8 +140,8 @@ class TokenBatch:
     def pad(self, batch_size: int) -> TokenBatch:
         """This batch with padding samples appended up to ``batch_size`` (zero
         ``seq_lens`` and rows; a packed batch's tokens are unchanged)."""
-        if batch_size < self.batch_size:
-            raise ValueError(f"pad: batch_size={batch_size}, expected >= the batch's {self.batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < self.batch_size:
+            raise ValueError(f"pad: batch_size={batch_size!r}, expected an int >= the batch's {self.batch_size}")
         if batch_size == self.batch_size:
             return self
         extra = batch_size - self.batch_size

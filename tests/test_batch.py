@@ -145,8 +145,12 @@ def test_invalid_batches_raise_naming_value() -> None:
     ok = dict(features=kjt, batch_size=4, feature_to_max_seqlen={})
     with pytest.raises(ValueError, match=r"len\(lengths\)=8, expected batch_size \* num_keys = 5 \* 2 = 10"):
         BaseBatch(**{**ok, "batch_size": 5})
-    with pytest.raises(ValueError, match=r"actual_batch_size=5, expected 0 <= actual_batch_size <= batch_size=4"):
+    with pytest.raises(ValueError, match=r"actual_batch_size=5, expected an int with 0 <= actual_batch_size "
+                                         r"<= batch_size=4"):
         BaseBatch(**ok, actual_batch_size=5)
+    for bad in (2.5, True, "2"):  # accepted once, or a TypeError from the comparison
+        with pytest.raises(ValueError, match=rf"actual_batch_size={bad!r}, expected an int"):
+            BaseBatch(**ok, actual_batch_size=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"actual_batch_size=-1"):
         BaseBatch(**ok, actual_batch_size=-1)
     with pytest.raises(ValueError, match=r"batch_size=0, expected >= 1"):

@@ -223,6 +223,7 @@ def test_inputs_tensors_costs_and_restore() -> None:
     ([1, 2], {"divisible_by": True}, "divisible_by=True, expected an int >= 1"),
     ([1, 2], {"cost": lambda x: -x}, r"cost of sample 0 is -1.0, expected a finite value >= 0"),
     ([1, 2], {"groups": [0]}, r"groups has shape \(1,\) and dtype int64, expected \[2\] ints"),
+    ([1, 2], {"cost": ["a", "b"]}, r"cost has dtype <U1, expected numbers per sample"),
 ])
 def test_errors(lengths: list, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -347,3 +348,9 @@ def test_grouped_padded_and_tight_packings() -> None:
     plan = plan_micro_batches(lens, max_tokens=29, num_micro_batches=3)
     assert plan.tokens.tolist() == [29, 29, 29]
     assert plan_micro_batches(lens, max_tokens=29).num_micro_batches == 3
+
+
+def test_half_precision_and_grad_lengths_are_read() -> None:
+    # numpy has no bfloat16: .numpy() raised "unsupported ScalarType"
+    for t in (torch.tensor([3.0, 1.0], dtype=torch.bfloat16), torch.tensor([3.0, 1.0], requires_grad=True)):
+        assert plan_micro_batches(t, max_tokens=3).micro_batches == [[0], [1]]

@@ -76,12 +76,21 @@ def test_token_batch_validates_shapes() -> None:
         ({"tokens": {"a": torch.zeros(3, 5)}}, r"tokens\['a'\]: shape \(3, 5\).*expected \[batch_size=4, L, ...\]"),
         ({"samples": {"r": torch.zeros(5)}}, r"samples\['r'\]: shape \(5,\).*expected \[batch_size=4, ...\]"),
         ({"actual_batch_size": 5}, "actual_batch_size=5, expected"),
+        # accepted once (2.5, True) or a TypeError from a comparison ("2")
+        ({"actual_batch_size": 2.5}, r"actual_batch_size=2.5, expected an int with 0 <= actual_batch_size"),
+        ({"actual_batch_size": True}, "actual_batch_size=True, expected an int"),
+        ({"actual_batch_size": "2"}, "actual_batch_size='2', expected an int"),
         ({"pad_multiple": 0}, "pad_multiple=0, expected an int >= 1"),
     ):
         args = dict(batch_size=4, seq_lens=torch.zeros(4, dtype=torch.int64), tokens={"a": torch.zeros(4, 5)})
         args.update(kwargs)
         with pytest.raises(ValueError, match=text):
             TokenBatch(**args)  # type: ignore[arg-type]
+    numpy_count = TokenBatch(batch_size=4, seq_lens=torch.zeros(4, dtype=torch.int64), tokens={"a": torch.zeros(4, 5)},
+                             actual_batch_size=np.int64(3))  # type: ignore[arg-type]
+    assert numpy_count.actual_batch_size == 3 and type(numpy_count.actual_batch_size) is int
+    with pytest.raises(ValueError, match=r"pad: batch_size=4.0, expected an int >= the batch's 4"):
+        numpy_count.pad(4.0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("packed", [False, True])
