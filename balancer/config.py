@@ -217,6 +217,9 @@ class BalancerConfig:
                         needs="partition='balanced'", partition=self.partition, capacity=self.capacity)
         if self.capacity is not None and self.partition != "balanced":
             raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")
+        if self.executor == "process" and self.partition != "balanced":  # else only create_train_pipeline raised
+            raise ValueError(f"{me}: executor='process' runs balanced_partition in a child process; "
+                             f"partition={self.partition!r} needs executor='thread' or 'auto'")
         check_group_size(me, self.group_size, comm=self.comm, default_partition=self.partition == "balanced",
                          partition=self.partition, capacity=self.capacity, calibrate=self.online_calibration,
                          token_cap=self.token_cap, calibrate_name="online_calibration")

@@ -61,3 +61,11 @@ def test_capacity_needs_the_balanced_partition() -> None:
     assert BalancerConfig(capacity=48).capacity == 48
     with pytest.raises(ValueError, match=r"capacity=48 needs partition='balanced', got 'karmarkar_karp'"):
         BalancerConfig(capacity=48, partition="karmarkar_karp")
+
+
+def test_process_executor_needs_the_balanced_partition() -> None:
+    # Accepted here once, and refused only by create_train_pipeline's BatchShuffler.
+    with pytest.raises(ValueError, match=r"executor='process' runs balanced_partition in a child process; "
+                                         r"partition='karmarkar_karp' needs executor='thread' or 'auto'"):
+        BalancerConfig(partition="karmarkar_karp", executor="process")
+    assert BalancerConfig(partition="karmarkar_karp", executor="auto").executor == "auto"
