@@ -437,7 +437,10 @@ class BatchShuffler(ShufflerBase):
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
-                step = plan_step(**kwargs, fn=self.partition, localize=localize, lower_bound=lower_bound)
+                # The default partition runs as in the planner process (fn=None), so
+                # both executors give the same plans and token_cap applies to both.
+                fn = None if self.partition is balanced_partition else self.partition
+                step = plan_step(**kwargs, fn=fn, localize=localize, lower_bound=lower_bound)
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
             self._prev[key] = (meta.seq, step.digest, -1 if members is None else int(members[0]))

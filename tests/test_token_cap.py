@@ -53,10 +53,10 @@ def _received(out: TokenBatch) -> list[tuple[int, int]]:
     return got
 
 
-def _worker(rank: int, w: int) -> dict[str, Any]:
+def _worker(rank: int, w: int, executor: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cap in (None, 1.02):
-        shuffler = BatchShuffler(_cost, token_cap=cap)
+        shuffler = BatchShuffler(_cost, token_cap=cap, executor=executor)
         runs = []
         for seed in range(SEEDS):
             batch = _batch(rank, seed)
@@ -80,9 +80,10 @@ def _worker(rank: int, w: int) -> dict[str, Any]:
     return out
 
 
-def test_token_cap_is_honoured_and_reported_on_real_ranks() -> None:
+@pytest.mark.parametrize("executor", ["process", "thread"])  # thread: the cap was once ignored there
+def test_token_cap_is_honoured_and_reported_on_real_ranks(executor: str) -> None:
     w = 3
-    per_rank = run_workers(_worker, w)
+    per_rank = run_workers(_worker, w, executor)
     uncapped_imbalance = []
     for cap in ("None", "1.02"):
         for seed in range(SEEDS):
