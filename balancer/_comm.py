@@ -239,7 +239,7 @@ def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf
         lengths.append(t if t.dtype == dtype else t.to(dtype))
     fields: dict[str, Any] = {}
     if layout.is_tokens:
-        lead = (b, ex.out_len) if any(s.stride for s in layout.sections if s.jagged) else (-1,)
+        lead = (b, ex.out_len) if any(s.padded for s in layout.sections if s.jagged) else (-1,)
         fields["tokens"] = {t.name: out[(t.name, "tokens")].view(*lead, *t.shape) for t in layout.tokens}
         fields["samples"] = {d.name: out[(d.name, "samples")].view(b, *d.shape) for d in layout.dense}
         fields["seq_lens"] = lengths[0]

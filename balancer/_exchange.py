@@ -116,7 +116,7 @@ def _elements(s: SectionPlan, lengths: np.ndarray) -> np.ndarray:
 
 def _slot(s: SectionPlan, g: Gathered, r: int) -> int:
     """Elements per sample slot of rank r's padded token tensor (its own L), else 0."""
-    if not (s.jagged and s.stride):
+    if not (s.jagged and s.padded):
         return 0
     assert g.pad_len is not None, "padded token batches send their padded length"
     return int(g.pad_len[r]) * s.width
@@ -126,7 +126,7 @@ def _starts(s: SectionPlan, g: Gathered, r: int) -> np.ndarray:
     """[K_s, B] element offsets of each (key, sample) in rank r's tensor of section ``s``."""
     lengths = g.lengths[r]
     k, b = (s.count if s.jagged else 1), lengths.shape[1]
-    if s.jagged and s.stride == 0:  # back to back, key-major
+    if s.jagged and not s.padded:  # back to back, key-major
         flat = _elements(s, lengths).reshape(-1)
         return (np.cumsum(flat) - flat).reshape(k, b)
     slot = _slot(s, g, r) if s.jagged else s.width  # fixed slots: padded tokens, dense rows
@@ -137,7 +137,7 @@ def _numel(s: SectionPlan, g: Gathered, r: int) -> int:
     """Elements of rank r's tensor of section ``s``."""
     lengths = g.lengths[r]
     b = lengths.shape[1]
-    if s.jagged and s.stride == 0:
+    if s.jagged and not s.padded:
         return int(_elements(s, lengths).sum())
     return (s.count * b * _slot(s, g, r)) if s.jagged else b * s.width
 
@@ -149,7 +149,7 @@ def _tail_bytes(layout: PlanLayout, out_batch: int) -> int:
 
 def _out_len(layout: PlanLayout, g: Gathered, plan: RankPlan) -> int:
     """The padded length of a padded token output: its longest sample, rounded up."""
-    if not any(s.jagged and s.stride for s in layout.sections):
+    if not any(s.jagged and s.padded for s in layout.sections):
         return 0
     b = g.batch_size
     longest = int(g.lengths[plan.sources // b, 0, plan.sources % b].max(initial=0))
@@ -265,7 +265,7 @@ def _assemble_plan(layout: PlanLayout, g: Gathered, plan: RankPlan, blob: IndexB
             run_starts = np.append(run_starts, tail_at // e)
             run_lens = np.append(run_lens, (b_out - m) * s.width)
         outs.append(plan_runs(blob, buffer_bytes // e, run_starts, run_lens))
-        if s.jagged and s.stride:  # padded tokens: sample j's elements go to slot (k, j)
+        if s.jagged and s.padded:  # padded tokens: sample j's elements go to slot (k, j)
             slot = out_len * s.width
             dst = (np.arange(per.shape[0])[:, None] * b_out + np.arange(m)[None, :]) * slot
             puts.append(plan_puts(blob, per.shape[0] * b_out * slot, dst.reshape(-1), per.reshape(-1)))

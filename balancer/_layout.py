@@ -9,8 +9,8 @@ A batch is a set of per-sample tensors. On the wire each tensor is a *section*:
   elements, stored sample-major;
 * a :class:`~balancer.tokens.TokenBatch` token field: jagged by ``seq_lens``
   with ``width = prod(per-token shape)`` elements per token, stored back to
-  back (packed, ``stride == 0``) or in fixed per-sample slots of
-  ``stride = L * width`` elements (padded; only the valid prefix travels).
+  back (packed) or in fixed per-sample slots of ``stride = L * width``
+  elements (``padded``; only the valid prefix travels; ``L`` may be 0).
 
 The per-sample lengths (every KJT key, or a token batch's ``seq_lens``) form
 one ``[K_total, B]`` matrix; a jagged section owns rows ``[row, row + count)``
@@ -80,8 +80,11 @@ class Section:
         row: first row of its keys in the lengths matrix (``-1`` if not jagged).
         count: number of keys (1 if not jagged).
         width: elements per length unit (jagged; 1 for KJTs) or per sample.
-        stride: elements per sample slot of a padded token field (0: the
-            samples are stored back to back).
+        stride: elements per sample slot of a padded token field (0 for
+            the others, and for a padded one whose ``L`` or width is 0).
+        padded: a padded token field (fixed per-sample slots); else the
+            samples are stored back to back. Not ``stride > 0``: a padded
+            batch of empty sequences has ``L = 0``.
     """
 
     field: str
@@ -92,6 +95,7 @@ class Section:
     count: int
     width: int
     stride: int = 0
+    padded: bool = False
 
     @property
     def jagged(self) -> bool:
@@ -137,7 +141,8 @@ class WireLayout:
             rows = tuple(KJTPlan(k.row, len(k.keys), k.lengths_dtype == torch.int32) for k in self.kjts)
         return PlanLayout(
             self.batch_size, self.num_lengths,
-            tuple(SectionPlan(s.jagged, s.row, s.count, s.itemsize, s.width, s.stride) for s in self.sections),
+            tuple(SectionPlan(s.jagged, s.row, s.count, s.itemsize, s.width, s.stride, s.padded)
+                  for s in self.sections),
             rows, self.pad_multiple)
 
     def describe(self) -> dict[str, str]:
@@ -145,7 +150,7 @@ class WireLayout:
         field by field when fingerprints differ, to name the difference."""
         if self.is_tokens:
             return _describe_tokens(self.batch_class, self.batch_size, self.tokens, self.dense,
-                                    self.seq_lens_dtype, any(s.stride == 0 for s in self.sections if s.jagged),
+                                    self.seq_lens_dtype, not any(s.padded for s in self.sections if s.jagged),
                                     self.pad_multiple)
         return describe(self.batch_class, self.batch_size, self.kjts, self.dense)
 
@@ -207,7 +212,7 @@ def _token_layout(batch: TokenBatch) -> WireLayout:
     samples = tuple(DenseSpec(n, t.dtype, tuple(int(x) for x in t.shape[1:])) for n, t in batch.samples.items())
     length = 0 if packed else batch.max_len
     sections = [Section(t.name, "tokens", t.dtype, _itemsize(t.dtype), 0, 1, _width(t.shape),
-                        0 if packed else length * _width(t.shape)) for t in tokens]
+                        0 if packed else length * _width(t.shape), not packed) for t in tokens]
     sections += [Section(t.name, "samples", t.dtype, _itemsize(t.dtype), -1, 1, _width(t.shape)) for t in samples]
     cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
     desc = _describe_tokens(cls, b, tokens, samples, batch.seq_lens.dtype, packed, batch.pad_multiple)

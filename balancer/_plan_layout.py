@@ -24,7 +24,8 @@ class SectionPlan:
     count: int  # keys (1 for dense)
     itemsize: int  # bytes per element
     width: int  # jagged: elements per length unit; dense: elements per sample
-    stride: int = 0  # jagged: elements per sample slot (padded tokens); 0: back to back
+    stride: int = 0  # padded tokens: elements per sample slot (0 when L or the width is 0)
+    padded: bool = False  # padded tokens (fixed per-sample slots); else back to back
 
 
 @dataclasses.dataclass(frozen=True)

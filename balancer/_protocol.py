@@ -262,7 +262,7 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
             continue
         name = f"{s.part}[{s.field!r}]" if s.part == "tokens" else f"{s.field}.{s.part}"
         got = meta.numels[(s.field, s.part)]
-        if s.stride:  # padded tokens: every sample must fit its slot
+        if s.padded:  # padded tokens: every sample must fit its slot
             longest = int(lengths[s.row : s.row + s.count].max(initial=0))
             if longest * s.width > s.stride:
                 _fail(meta, Status.BAD_LENGTHS, f"seq_lens has a sample of {longest} tokens, longer than "

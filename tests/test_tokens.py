@@ -164,3 +164,45 @@ def test_token_batches_shuffle_between_ranks() -> None:
         assert "tokens['input_ids'] has" in errors["short"] and "expected sum(seq_lens) * 1" in errors["short"]
         assert "(rank 1)" in errors["short"] and errors["short"] == per_rank[0][-1][1]["short"]
         assert "'layout': ranks [0, 2]: 'padded'; rank 1: 'packed'" in errors["layout"], errors["layout"]
+
+
+def _empty_slots_worker(rank: int, w: int, comm: str, everywhere: bool) -> dict[str, Any]:
+    """Rank 0 (or every rank) holds a padded batch of length L = 0; sample ids ride in ``samples``."""
+    b = 3
+    sid = torch.tensor([1.0, 2.0, 3.0]) + 10 * rank
+    if everywhere or rank == 0:
+        lens = torch.zeros(b, dtype=torch.int64)
+        ids = torch.zeros(b, 0, dtype=torch.int64)
+    else:
+        lens = torch.tensor([4, 4, 1])
+        ids = torch.zeros(b, 4, dtype=torch.int64)
+        for i, n in enumerate(lens.tolist()):
+            ids[i, :n] = int(sid[i]) * 100 + torch.arange(n)
+    batch = TokenBatch(batch_size=b, seq_lens=lens, tokens={"ids": ids}, samples={"sid": sid})
+    # Costs that move samples: by length, or by id where every sequence is empty.
+    cost = (lambda t: t.samples["sid"].double() ** 3) if everywhere else (lambda t: t.seq_lens.double() ** 2 + 1)
+    shuffler = BatchShuffler(cost, comm=comm)
+    out = shuffler.shuffle(batch)
+    shuffler.close()
+    a = int(out.actual_batch_size)
+    got = []
+    for i in range(a):
+        n, s = int(out.seq_lens[i]), int(out.samples["sid"][i])
+        assert out.tokens["ids"][i, :n].tolist() == [s * 100 + j for j in range(n)], "a sample's tokens moved"
+        assert not out.tokens["ids"][i, n:].any(), "padding slots are zero"
+        got.append((s, n))
+    return {"got": got, "shape": tuple(out.tokens["ids"].shape)}
+
+
+@pytest.mark.parametrize("everywhere", [False, True])
+@pytest.mark.parametrize("comm", ["all2all", "allgather"])
+def test_padded_batches_of_length_zero_shuffle(comm: str, everywhere: bool) -> None:
+    # A padded batch with L = 0 was planned as a packed one (stride 0): with
+    # all2all its rank raised after the collective and the samples sent to it
+    # were lost; with allgather the ranks' sizes differed and gloo aborted.
+    outs = run_workers(_empty_slots_worker, 2, comm, everywhere, timeout=120)
+    got = sorted(pair for o in outs for pair in o["got"])
+    lens = {0: [0, 0, 0], 1: [0, 0, 0] if everywhere else [4, 4, 1]}
+    assert got == sorted((i + 1 + 10 * r, lens[r][i]) for r in range(2) for i in range(3))
+    for o in outs:
+        assert o["shape"][0] == 3 and o["shape"][1] == max((n for _, n in o["got"]), default=0)
