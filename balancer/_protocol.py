@@ -161,6 +161,9 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
         if w.dim() != 1 or w.numel() != b or w.is_complex() or w.dtype == torch.bool:
             return _fail(meta, Status.BAD_INPUT, f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, "
                          f"expected [batch_size={b}] of an integer or floating dtype (rank {rank})")
+        if w.layout != torch.strided or w.device.type == "meta":  # the copy below would raise on this rank only
+            return _fail(meta, Status.BAD_INPUT, f"workloads is a {w.layout} tensor on {w.device}, expected a "
+                         f"dense tensor with values (rank {rank})")
     parts = [w.to(device=batch.device, dtype=torch.float64, non_blocking=True).view(torch.int64)]
     parts += [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
     part = torch.cat(parts)

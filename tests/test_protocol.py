@@ -123,6 +123,9 @@ def test_bad_input_becomes_a_status_not_an_exception() -> None:
         "nan": (lambda b: torch.full((6,), float("nan")), Status.NONFINITE, "workloads[0] = nan"),
         "raise": (lambda b: {}["x"], Status.BAD_INPUT, "workload_fn raised KeyError"),
         "shape": (lambda b: token_count(b)[:3], Status.BAD_INPUT, "workloads has shape (3,)"),
+        # these two raised in capture itself, on this rank only (its peers waited for phase 1)
+        "sparse": (lambda b: token_count(b).double().to_sparse(), Status.BAD_INPUT, "workloads is a torch.sparse_coo"),
+        "meta": (lambda b: torch.ones(6, device="meta"), Status.BAD_INPUT, "tensor on meta, expected a dense"),
     }
     for name, (fn, status, text) in cases.items():
         meta = capture(batch, fn, seq=0, rank=2, config=0, base_type=BaseBatch)
