@@ -138,6 +138,11 @@ class OnlineFit:
             self._rows.append(self._features[seq][r])
             self._times.append(t)
 
+    @property
+    def observations(self) -> int:
+        """(rank, shuffle) times paired with their features so far (within the window)."""
+        return len(self._times)
+
     def fit(self) -> CostModel | None:
         if len(self._times) < self.min_observations:
             return None

@@ -181,6 +181,7 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         by_step = [max_over_mean(st["on:online"]["times"]) for st in steps]
         on["straggler_by_step"] = by_step
         on["fitted_from_step"] = online.fitted_at
+        on["observations"] = online.fit.observations
         after = by_step[online.fitted_at:] if online.fitted_at is not None else []
         on["straggler_fitted"] = statistics.median(after) if after else None
         on["model"] = None if online.model is None else dataclasses.asdict(online.model)

@@ -60,17 +60,23 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
             on = r["modes"][f"on:{cost}"]
             assert on["predicted_by"] == cost
             assert on["predicted_straggler_by_cost"][cost] <= off["predicted_straggler_by_cost"][cost] + 1e-9
-        # The online fit: min(16, 2 W) observations after 2 steps of W ranks (3 steps in --quick),
-        # so the third step partitions with the fitted model.
+        # The online fit: W observations a step, min(16, 2 W) after 2 steps (3 steps in
+        # --quick), so the third step partitions with the fitted model -- unless the
+        # times (noisy on a loaded box) fit no per-sample term, when the fit declines.
         online = r["modes"]["on:online"]
         assert len(online["straggler_by_step"]) == r["steps"] == 3
         assert min(online["straggler_by_step"]) >= 1.0
-        assert online["fitted_from_step"] == 2
-        assert online["straggler_fitted"] == online["straggler_by_step"][2]
+        assert online["observations"] == 3 * r["world"]
         model = online["model"]
-        assert min(model["alpha"], model["beta"], model["gamma"], model["delta"]) >= 0
-        assert model["alpha"] + model["beta"] + model["gamma"] + model["delta"] > 0
-        assert model["observations"] <= 3 * r["world"]
+        if online["fitted_from_step"] is None:
+            assert online["straggler_fitted"] is None
+        else:
+            assert online["fitted_from_step"] == 2
+            assert online["straggler_fitted"] == online["straggler_by_step"][2]
+        if model is not None:
+            assert min(model["alpha"], model["beta"], model["gamma"], model["delta"]) >= 0
+            assert model["alpha"] + model["beta"] + model["gamma"] + model["delta"] > 0
+            assert model["observations"] <= 3 * r["world"]
 
     sh = shuffle[0]
     assert sh["shuffle_matches"] is True
