@@ -23,11 +23,26 @@ solution of both, so the larger optimum (or dual bound at a time-out) is a
 proven lower bound on the best capped max compute -- the yardstick "compute
 within 1e-4 of its bound whenever the cap allows" needs.
 
+The *pattern test* (``--patterns``) asks the question directly, for one
+``M``: can the parts be chosen, each a *pattern* (a count of samples per
+length: ``B`` samples, at most ``cap`` tokens, compute at most ``M``), so
+that the patterns use every length up exactly? Its linear relaxation (any
+non-negative mix of ``W`` patterns) is solved by column generation: a
+restricted master LP over the patterns found so far, and a pricing MIP (a
+knapsack over the lengths with the B, cap and M constraints) for the pattern
+the master's duals favour most. If the relaxation is infeasible, so is every
+partition: ``M = lower_bound * (1 + 1e-4)`` unreachable under the cap,
+proven. It stops with that proof as soon as a Lagrangian bound (valid for
+any duals) shows the master's infeasibility cannot vanish; every part's
+compute and tokens also have to reach the total minus ``W - 1`` maxima,
+which the pricing enforces.
+
 scipy is not a dependency of ``balancer``; this script needs it (any recent
 scipy with ``milp``, 1.9 or later)::
 
     python benchmarks/tokens_mip.py [--w 8] [--seeds 0-5] [--cap 1.01] [--int-from 2048]
                                     [--band 256] [--bound-time 30] [--exact --time-limit 120]
+                                    [--patterns --pattern-rtol 1e-4 --pattern-time 900]
 
 Workloads as in ``bench_partition.py``'s "Compute and memory" section:
 Zipf(1.2) lengths clipped at 4096, B = 32, compute ``L^2 + 256 L``, tokens ``L``.
@@ -168,6 +183,63 @@ def capped_bound(lens: np.ndarray, w: int, cap: float, int_from: int | None, ban
     return best, proven, time.perf_counter() - t0
 
 
+def pattern_test(lens: np.ndarray, w: int, cap: float, m: float,
+                 time_limit: float) -> tuple[str, float, int, float]:
+    """Whether the pattern relaxation at max compute ``m`` is infeasible (see the module doc).
+
+    Returns:
+        ``(verdict, phase-1 value, iterations, seconds)``; the verdict is
+        ``"infeasible"`` (proven: no partition has max compute <= ``m`` under
+        the cap), ``"feasible"`` (the relaxation is; proves nothing about
+        partitions) or ``"time out"``.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+    ls, cnt = np.unique(lens, return_counts=True)
+    t, b = ls.size, lens.size // w
+    comp = (ls * ls + 256 * ls).astype(np.float64)
+    scale = float(comp @ cnt) / w  # compute in units of the mean part load
+    c_lo = max(0.0, float(comp @ cnt) - (w - 1) * m) / scale
+    t_lo = max(0.0, float(ls @ cnt) - (w - 1) * cap)
+    pricing = LinearConstraint(np.vstack([np.ones(t), ls.astype(np.float64), comp / scale]),
+                               [b, t_lo, c_lo], [b, cap, m / scale])
+    bounds = Bounds(np.zeros(t), cnt.astype(np.float64))
+    beq = np.append(cnt.astype(np.float64), w)
+    cols: list[np.ndarray] = []
+    t0 = time.perf_counter()
+    it = 0
+    while time.perf_counter() - t0 < time_limit:
+        it += 1
+        k = len(cols)
+        # Master, phase 1: patterns (k), then slacks s+ and s- per row (every
+        # length used up, W patterns); minimise the slacks.
+        a_eq = np.zeros((t + 1, k + 2 * (t + 1)))
+        if k:
+            a_eq[:t, :k] = np.array(cols).T
+        a_eq[t, :k] = 1.0
+        a_eq[:, k:k + t + 1] = np.eye(t + 1)
+        a_eq[:, k + t + 1:] = -np.eye(t + 1)
+        c = np.concatenate([np.zeros(k), np.ones(2 * (t + 1))])
+        res = linprog(c, A_eq=a_eq, b_eq=beq, bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise RuntimeError(f"master LP: {res.message}")
+        y, obj = res.eqlin.marginals, float(res.fun)  # reduced cost of a column: c - A^T y
+        if obj <= 1e-9:
+            return "feasible", obj, it, time.perf_counter() - t0
+        pr = milp(-y[:t], constraints=pricing, bounds=bounds, integrality=np.ones(t),
+                  options={"disp": False, "mip_rel_gap": 1e-9, "time_limit": 60})
+        if pr.x is None:
+            return "infeasible", obj, it, time.perf_counter() - t0  # no pattern at all
+        most = -float(pr.mip_dual_bound) + y[t]  # no pattern's y.c + y_W exceeds this
+        # Lagrangian bound on the full relaxation, valid for any y: its optimum
+        # has slacks <= obj and at most W + obj patterns in all.
+        lag = float(y @ beq) - max(0.0, most) * (w + obj) - obj * float(np.maximum(np.abs(y) - 1, 0).sum())
+        if most <= 1e-9 or lag > 1e-6:
+            return "infeasible", obj, it, time.perf_counter() - t0
+        cols.append(np.rint(pr.x))
+    return "time out", float("nan"), it, time.perf_counter() - t0
+
+
 def seeds_arg(text: str) -> list[int]:
     if "-" in text:
         a, b = text.split("-")
@@ -187,7 +259,14 @@ def main() -> None:
     ap.add_argument("--bound-time", type=float, default=30.0, help="seconds of HiGHS per relaxation")
     ap.add_argument("--exact", action="store_true", help="also run the exact program (--time-limit s each)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds of HiGHS per exact program")
+    ap.add_argument("--patterns", action="store_true",
+                    help="the pattern test instead: is max compute <= bound * (1 + --pattern-rtol) reachable?")
+    ap.add_argument("--pattern-rtol", type=float, default=1e-4)
+    ap.add_argument("--pattern-time", type=float, default=900.0, help="seconds per instance")
     args = ap.parse_args()
+    if args.patterns:
+        patterns_main(args)
+        return
     w = args.w
     print(f"W = {w}, B = {TOKEN_B}, token cap {args.cap:.2f} x mean; capped bound: the larger of lengths >= "
           f"{args.int_from} integer and counts per {args.band} lengths integer, {args.bound_time:.0f} s each"
@@ -228,6 +307,21 @@ def main() -> None:
                 tok = f"{toks.max() / toks.mean():.4f}"
             row += f" {mip} | {dual / bound - 1:.1e} | {tok} |"
         print(row, flush=True)
+
+
+def patterns_main(args: argparse.Namespace) -> None:
+    w = args.w
+    print(f"W = {w}, B = {TOKEN_B}, token cap {args.cap:.2f} x mean: is max compute <= lower_bound x "
+          f"(1 + {args.pattern_rtol:g}) reachable? (pattern test, {args.pattern_time:.0f} s each)\n")
+    print("| seed | balanced_partition, capped: max / lower_bound - 1 | pattern test | iterations | s |")
+    print("|---|---|---|---|---|")
+    for seed in args.seeds:
+        x, lens = token_instance(w, seed)
+        bound = float(lower_bound(x, w))
+        cap = args.cap * float(lens.sum()) / w
+        top = max(int(x[r].sum()) for r in balanced_partition(x, w, tokens=lens, max_tokens=cap))
+        verdict, _, it, secs = pattern_test(lens, w, cap, bound * (1 + args.pattern_rtol), args.pattern_time)
+        print(f"| {seed} | {top / bound - 1:.1e} | {verdict} | {it} | {secs:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
