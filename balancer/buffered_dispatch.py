@@ -162,10 +162,12 @@ class BufferedDispatcher:
         Args:
             flush: allow a round from a partly filled window (at the end of
                 data); needs ``S`` samples unless fewer remain in all, then the
-                rest goes out with unequal shares where needed: with fewer
-                samples than ranks, ranks ``count ..`` get nothing (an empty
-                share and no micro-batches), which a loop whose ranks must all
-                step together has to skip or pad.
+                rest goes out with unequal shares where needed: to as many
+                ranks as can take the same number of micro-batches (with fewer
+                samples than ranks, or micro-batches that cannot be shared
+                evenly, the last ranks get nothing: an empty share and no
+                micro-batches), which a loop whose ranks must all step
+                together has to skip or pad.
 
         Raises:
             ValueError: fewer than ``S`` samples buffered without ``flush``, an
@@ -182,9 +184,20 @@ class BufferedDispatcher:
         kwargs = dict(self._kwargs)
         if count % self._w and not self._padded:  # padded shares are whole micro-batches already
             kwargs["equal_count"] = False
-        ranks = min(self._w, count)  # a last round of fewer samples than ranks: some get none
-        plan = _with_empty_ranks(plan_dispatch(lens, ranks, cost=self._cost, padded=self._padded,
-                                               micro_batch_size=self._mbs, **kwargs), self._w)
+        # A last, partial round may not give every rank the same number of
+        # micro-batches (7 one-row micro-batches on 3 ranks): it then goes to
+        # as many ranks as it can, the others get nothing.
+        first: ValueError | None = None
+        for ranks in range(min(self._w, count), 0 if count < s else self._w - 1, -1):
+            try:
+                plan = _with_empty_ranks(plan_dispatch(lens, ranks, cost=self._cost, padded=self._padded,
+                                                       micro_batch_size=self._mbs, **kwargs), self._w)
+                break
+            except ValueError as e:
+                first = first or e
+        else:
+            assert first is not None, "the loop ran at least once"
+            raise first
         out = DispatchRound(ids=self._ids[take], plan=plan, round=self._round,
                             max_lag=int(self._round - (self._seq[take] // s).min()))
         keep = np.ones(n, bool)

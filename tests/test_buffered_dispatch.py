@@ -118,3 +118,17 @@ def test_drain_sends_every_sample_even_fewer_than_ranks(padded: bool) -> None:
         if padded:
             assert last.plan.micro_batches is not None
             assert all(last.plan.micro_batches[r] == [] for r in empty)
+
+
+def test_drain_when_micro_batches_cannot_be_shared_evenly() -> None:
+    # 7 one-row padded micro-batches cannot go 3 to each of 3 ranks: the last
+    # round once raised "3 ranks x 3 micro-batches need 9 samples, only 7 given".
+    disp = BufferedDispatcher(3, 3, window=1, padded=True, micro_batch_size=1)
+    disp.put([5, 9, 2, 7, 7, 1, 4])
+    (rnd,) = disp.drain()
+    assert disp.pending == 0
+    assert sorted(int(i) for r in range(3) for i in rnd.rank_ids(r)) == list(range(7))
+    mbs = rnd.plan.micro_batches
+    assert mbs is not None and all(len(m) == 1 for rank in mbs for m in rank)
+    counts = sorted(len(rank) for rank in mbs)
+    assert counts[0] == 0 and len(set(c for c in counts if c)) == 1  # whole ranks left out, the rest alike
