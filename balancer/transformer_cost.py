@@ -62,7 +62,8 @@ class TransformerCost(_Quadratic):
     Example: Llama-2-7B (``d=4096, f=11008, N=32, H=G=32, V=32000``), forward
     only, non-causal, without the LM head gives ``b / a = 24704``: verl's
     hard-coded ``seqlen**2 + 24576 * seqlen`` is this model, with ``P = L**2``.
-    Counting only the causal half of the pairs halves ``a`` (``b / a = 49408``).
+    Counting only the causal pairs ``L (L + 1) / 2`` halves ``a`` and adds half a
+    pair per token to ``b`` (``b / a = 49409``).
 
     Attributes:
         hidden_size, intermediate_size, num_layers, num_heads: ``d, f, N, H``.

@@ -15,7 +15,7 @@ Part 2 (grouping). Balancing within groups of G ranks: bytes and the
 partition's input shrink by about W / G. Simulated on the same Zipf(1.2) <=
 4096 batches (cost L**2 + 256 L): the straggler (max/mean rank load) with no
 balancing, global balancing, static groups (consecutive ranks; what
-``BatchShuffler(pg=subgroup)`` does), and the groups ``group_size=G`` forms
+a subgroup passed to ``BatchShuffler.shuffle`` does), and the groups ``group_size=G`` forms
 every step (``balancer._groups.form_groups``: ranks sorted by load dealt
 round-robin, so heavy and light ranks share a group), each group partitioned
 with the library's partitioner.
@@ -137,8 +137,8 @@ def main() -> int:
         for w in (8, 64, 256, 1024, 4096, 8192):
             row = [w * message_bytes(b, 3) for b in (32, 128, 512)]
             grouped = {g: {b: gathered_bytes(w, b, 3, g) for b in (32, 128, 512)} for g in (64, 256)}
-            print(f"{w:>6} | " + " ".join(f"{x / 2**20:>8.2f}MB" for x in row) + " | "
-                  + " | ".join(" ".join(f"{grouped[g][b] / 2**20:>11.2f}MB" for b in (32, 512)) for g in (64, 256)))
+            print(f"{w:>6} | " + " ".join(f"{x / 2**20:>7.2f}MiB" for x in row) + " | "
+                  + " | ".join(" ".join(f"{grouped[g][b] / 2**20:>10.2f}MiB" for b in (32, 512)) for g in (64, 256)))
             f.write(json.dumps({"bench": "scale_bytes", "world": w, "bytes": dict(zip((32, 128, 512), row,
                                                                                     strict=True)),
                                 "grouped": {str(g): v for g, v in grouped.items()}}) + "\n")

@@ -73,9 +73,10 @@ from balancer.partition._free import free_partition
 from balancer.partition._kk import karmarkar_karp
 from balancer.partition._locality import localize
 from balancer.partition._stats import PartitionStats, imbalance, partition_stats
-from balancer.partition._worker import PartitionWorker
+from balancer.partition._worker import PartitionHandle, PartitionWorker
 
 __all__ = [
+    "PartitionHandle",
     "PartitionStats",
     "PartitionWorker",
     "balanced_partition",
