@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import itertools
+import math
 import pathlib
 from typing import Any
 
@@ -325,9 +326,30 @@ def test_partition_worker_matches_in_process() -> None:
         with pytest.raises(ValueError, match="not divisible by num_parts=4"):
             worker(np.ones(10), 4)
         assert worker([], 2) == [[], []]
+        # Two large requests in flight: the child blocked writing reply 1 while
+        # the parent blocked writing request 2, for ever (from N = 8192 on).
+        big = np.arange(8192 * 4)
+        first, second = worker.submit(big, 8), worker.submit(big[::-1].copy(), 8)
+        assert second.wait() == balanced_partition(big[::-1].copy(), 8) and first.wait() == balanced_partition(big, 8)
+        # Input the in-process call refuses is refused here too, before the request
+        # (a home of the wrong length once hung the pipe; the others were partitioned).
+        for kwargs, error, text in (
+                ({"home": [0, 1]}, ValueError, r"home has shape \(2,\)"),
+                ({"home": [0.0, 0.5, 1.0, 1.0]}, ValueError, "home has shape .* dtype float64"),
+                ({"num_parts": 2.5}, TypeError, "num_parts=2.5, expected an int"),
+                ({"num_parts": True}, TypeError, "num_parts=True, expected an int"),
+                ({"workloads": np.ones((2, 2))}, ValueError, r"workloads has shape \(2, 2\), expected 1-D")):
+            call = {"workloads": [1, 2, 3, 4], "num_parts": 2} | kwargs
+            with pytest.raises(error, match=text):
+                worker.submit(call.pop("workloads"), call.pop("num_parts"), **call)
+        with pytest.raises(ValueError, match=r"workloads\[0\] = nan, expected a finite value"):
+            worker.submit([float("nan"), 1, 2, 3], 2, quantized=True)  # quantize hid the NaN once
+        assert worker([1, 2, 3, 4], 2) == balanced_partition([1, 2, 3, 4], 2)  # the pipe is in step
     finally:
         worker.close()
         worker.close()
+    with pytest.raises(RuntimeError, match="PartitionWorker is closed"):
+        worker([1, 2], 2)  # once written into whatever file reused the pipe's descriptor
 
 
 def _child_modules() -> functools.partial[Any]:
@@ -541,7 +563,7 @@ def test_deadline_returns_a_valid_partition_no_worse_than_the_start() -> None:
     assert _max_load(x, full) <= _max_load(x, rushed) <= _max_load(x, greedy(x, 64)) * 1.001
     with pytest.raises(ValueError, match=r"deadline_ms=0, expected > 0 or None"):
         balanced_partition(x, 64, deadline_ms=0)
-    with pytest.raises(ValueError, match=r"rtol=-1, expected >= 0"):
+    with pytest.raises(ValueError, match=r"rtol=-1, expected a finite number >= 0"):
         balanced_partition(x, 64, rtol=-1)
 
 
@@ -832,3 +854,29 @@ def test_token_cap_errors() -> None:
         balanced_partition(x, 8, tokens=np.ones(8))
     with pytest.raises(ValueError, match=r"tokens\[0\] = -1.0, expected >= 0"):
         balanced_partition(x, 8, tokens=np.r_[-1, np.ones(255)])
+
+
+def test_token_cap_is_compared_exactly() -> None:
+    # Integer caps were rounded to float64: 2**55 + 5 read as 2**55 + 8, so a part
+    # of 2**55 + 6 tokens passed, and 2**55 + 1 was refused though it is met.
+    t = [2**55 + 6, 0, 0, 0]
+    with pytest.raises(ValueError, match="cannot be met"):
+        balanced_partition([1, 2, 3, 4], 2, tokens=t, max_tokens=2**55 + 5)
+    parts = balanced_partition([1, 2, 3, 4], 2, tokens=[2**55 + 1, 0, 0, 0], max_tokens=2**55 + 1)
+    assert sorted(map(sorted, parts)) in ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 3], [1, 2]])
+    # Float tokens: the proven minimum is lowered as lower_bound's (it once refused
+    # this cap as below a "minimum" of 2.5000000000000004), and part sums are the
+    # correctly rounded ones.
+    c, tf = [35, 18, 0, 26], [0.4, 1.4000000000000001, 1.9000000000000001, 1.1]
+    parts = balanced_partition(c, 2, tokens=tf, max_tokens=2.5)
+    assert max(math.fsum(tf[i] for i in p) for p in parts) <= 2.5
+    c9 = [12, 8, 5, 45, 20, 7, 14, 37, 17]
+    t9 = [0.2, 0.2, 0.1, 0.30000000000000004, 0.30000000000000004, 0.2, 0.30000000000000004, 0.30000000000000004, 0.0]
+    with pytest.raises(ValueError, match=r"max_tokens=0.7 was not met: the best partition found has 0.7000000000000001"):
+        balanced_partition(c9, 3, tokens=t9, max_tokens=0.7, rtol=0)  # once returned a part of 0.7000000000000001
+    for bad in (float("inf"), float("nan"), -1, "5", True):
+        with pytest.raises(ValueError, match=r"max_tokens=.*, expected a finite number >= 0"):
+            balanced_partition([1, 2, 3, 4], 2, tokens=[1, 1, 1, 1], max_tokens=bad)  # type: ignore[arg-type]
+    for bad_rtol in (float("inf"), float("nan"), -1e-3):
+        with pytest.raises(ValueError, match=r"rtol=.*, expected a finite number >= 0"):
+            balanced_partition([1, 2, 3, 4], 2, rtol=bad_rtol)  # inf once raised an OverflowError

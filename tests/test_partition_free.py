@@ -160,3 +160,11 @@ def test_workload_errors() -> None:
         free_partition([1, 2], 0)
     with pytest.raises(TypeError, match="num_parts=2.0, expected an int"):
         free_partition([1, 2], 2.0)  # type: ignore[arg-type]
+
+
+def test_min_size_none_is_named() -> None:
+    # int(None) once raised a bare TypeError
+    with pytest.raises(ValueError, match="min_size=None, expected an int"):
+        free_partition([1, 2, 3, 4], 2, min_size=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_size=None, expected an int"):
+        lower_bound([1, 2, 3, 4], 2, equal_size=False, min_size=None)  # type: ignore[arg-type]

@@ -73,10 +73,13 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
         TypeError: ``num_parts`` is not an int.
         ValueError: ``num_parts < 1``; ``workloads`` not 1-D, its length not
             divisible by ``num_parts``, negative, NaN/inf, non-numeric, or
-            summing to 2**61 or more; ``rtol < 0``; ``deadline_ms <= 0``;
-            ``tokens`` malformed (as ``workloads``); ``max_tokens`` below what
-            any partition can meet (the message names the cap, the proven
-            minimum and the best cap found).
+            summing to 2**61 or more; ``rtol`` negative or not finite;
+            ``deadline_ms <= 0``; ``tokens`` malformed (as ``workloads``);
+            ``max_tokens`` not a finite number >= 0, below what any
+            partition can meet, or not met by the search (the message names
+            the cap, the proven minimum and the best found: a cap between
+            the two may be reachable). Integer tokens are compared exactly,
+            float tokens by each part's correctly rounded sum.
     """
     out: list[list[int]] = localized_rows(workloads, num_parts, home, sizes, rtol=rtol, deadline_ms=deadline_ms,
                                           tokens=tokens, max_tokens=max_tokens).tolist()
@@ -113,8 +116,8 @@ def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
     skip it here.
     """
     x = as_workloads(workloads, num_parts)
-    if not rtol >= 0:
-        raise ValueError(f"rtol={rtol}, expected >= 0")
+    if not (isinstance(rtol, (int, float)) and 0 <= rtol < float("inf")):
+        raise ValueError(f"rtol={rtol!r}, expected a finite number >= 0")
     if deadline_ms is not None and not deadline_ms > 0:
         raise ValueError(f"deadline_ms={deadline_ms}, expected > 0 or None")
     start = time.perf_counter()

@@ -55,11 +55,12 @@ Deterministic: stable sorts throughout, ties to the first candidate in search or
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
 
-from balancer.partition._bound import bound_sorted
+from balancer.partition._bound import as_float, bound_sorted
 from balancer.partition._solve import Solved, late, solve
 
 __all__ = ["apply_token_cap", "cap_tokens", "check_tokens_met", "deal_by_room", "polish_capped", "token_cap"]
@@ -90,12 +91,22 @@ _DEAL_MAX_ITEMS = 4096
 
 
 def token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
-    """``max_tokens``, or by default ``(1 + _TOKEN_SLACK)`` times the mean per part."""
+    """``max_tokens``, or by default ``(1 + _TOKEN_SLACK)`` times the mean per part.
+
+    For integer tokens the cap is the largest integer it allows, kept as a
+    Python int: part sums compare with it exactly (as a float, ``2**55 + 5``
+    would read as ``2**55 + 8``).
+    """
     if max_tokens is None:
-        return (1 + _TOKEN_SLACK) * float(t.sum()) / w
-    if not max_tokens >= 0:
-        raise ValueError(f"max_tokens={max_tokens}, expected >= 0")
-    return float(max_tokens)
+        cap: float = (1 + _TOKEN_SLACK) * float(t.sum()) / w
+    else:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, float, np.integer, np.floating)) \
+                or not max_tokens >= 0 or not math.isfinite(max_tokens):
+            raise ValueError(f"max_tokens={max_tokens!r}, expected a finite number >= 0")
+        cap = max_tokens
+    if t.dtype.kind in "iu":
+        return math.floor(cap) if isinstance(cap, float) else int(cap)  # type: ignore[return-value]
+    return float(cap)
 
 
 def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
@@ -112,7 +123,7 @@ def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
             tokens alone meets it.
     """
     cap = token_cap(t, w, max_tokens)
-    floor = bound_sorted(np.sort(t), w)
+    floor = _token_floor(t, w)
     if cap < floor:
         raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
                          f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
@@ -137,6 +148,7 @@ def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
             polish_capped(v, tok, rows2, loads2, cap, target, steps, stop_at)
             if loads2.max() < loads.max():
                 rows = rows2
+    check_tokens_met(tok, rows, cap, w, floor)  # exact sums: the search's running float sums may be an ulp off
     return rows
 
 
@@ -172,15 +184,33 @@ def deal_by_room(vals: np.ndarray, tok: np.ndarray, w: int, cap: float) -> np.nd
     return rows
 
 
+def _token_floor(t: np.ndarray, w: int) -> int | float:
+    """What every partition's fullest part holds at least: exact for integer
+    tokens, lowered as :func:`~balancer.partition.lower_bound` for floats."""
+    floor = bound_sorted(np.sort(t), w)
+    return floor if t.dtype.kind in "iu" else as_float(floor, t.size)
+
+
+def part_tokens(tok: np.ndarray, rows: np.ndarray) -> list[int] | list[float]:
+    """Tokens per part of ``rows``: exact int sums, or correctly rounded float
+    sums (``math.fsum``: independent of the order the items are added in)."""
+    if tok.dtype.kind in "iu":
+        return [int(v) for v in tok[rows].sum(axis=1)]
+    return [math.fsum(r) for r in tok[rows].tolist()]
+
+
 def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
                      floor: int | float | None) -> None:
     """Raise ``ValueError`` (cap, best found, proven minimum) if a part of ``rows`` exceeds ``cap``."""
-    best = tok[rows].sum(axis=1).max().item()
+    best = max(part_tokens(tok, rows))
     if best > cap:
         if floor is None:
-            floor = bound_sorted(np.sort(tok), w)
-        raise ValueError(f"max_tokens={cap:g} cannot be met: the best partition found has {best} "
-                         f"tokens in a part; no partition has fewer than {floor}")
+            floor = _token_floor(tok, w)
+        # The cap is at or above the proven minimum here: the search missed
+        # it (a cap below the minimum is refused before the search).
+        raise ValueError(f"max_tokens={cap:g} was not met: the best partition found has {best} "
+                         f"tokens in a part and no partition has fewer than {floor}; one within "
+                         "the cap may exist that the search missed")
 
 
 def cap_tokens(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,

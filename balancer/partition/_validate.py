@@ -75,8 +75,9 @@ def check_sizes(n: int, w: int, min_size: Any, max_size: Any) -> tuple[int, int]
         ValueError: a bound is not an int, ``min_size < 0``, ``max_size < 1``,
             ``min_size > max_size``, or ``n`` items cannot satisfy them.
     """
-    for name, val in (("min_size", min_size), ("max_size", max_size)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer))):
+    for name, val, optional in (("min_size", min_size, False), ("max_size", max_size, True)):
+        if (val is None and not optional) or (
+                val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer)))):
             raise ValueError(f"{name}={val!r}, expected an int")
     lo = int(min_size)
     hi = n if max_size is None else int(max_size)

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from balancer.partition._balanced import solve_rows
+from balancer.partition._validate import as_workloads, check_home
 
 __all__ = ["PartitionHandle", "PartitionWorker"]
 
@@ -206,8 +207,12 @@ class PartitionWorker:
         assert self._proc.stdin is not None and self._proc.stdout is not None, "pipes requested"
         self._fd_out = self._proc.stdin.fileno()
         self._fd_in = self._proc.stdout.fileno()
+        # Non-blocking writes: a large request must not block while the child
+        # is itself blocked writing an earlier reply nobody reads (_send).
+        os.set_blocking(self._fd_out, False)
         self._lock = threading.Lock()
         self._pending: collections.deque[PartitionHandle] = collections.deque()
+        self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._proc)
 
     def __call__(self, workloads: Any, num_parts: int, home: Any = None,
@@ -221,26 +226,24 @@ class PartitionWorker:
 
         ``quantized``: partition the scale-free integers of
         :func:`balancer._quantize.quantize` (as :func:`solve_rows`).
+
+        Raises:
+            TypeError, ValueError: as ``balanced_partition`` for the same
+                input, here, before anything is sent.
+            RuntimeError: the worker is closed.
         """
-        arr = np.asarray(workloads)
-        if arr.dtype.kind in "biu":
-            code, arr = 0, arr.astype("<i8", copy=False)
-        elif arr.dtype.kind == "f":
-            code, arr = 1, arr.astype("<f8", copy=False)
-        else:
-            raise ValueError(f"workloads has dtype {arr.dtype}, expected integers or floats")
+        # The same checks as in-process, before the request: a request the
+        # child cannot parse (a home of the wrong length) would hang the pipe.
+        arr = as_workloads(workloads, num_parts)
+        code, arr = (0, arr.astype("<i8", copy=False)) if arr.dtype.kind == "i" else (1, arr.astype("<f8", copy=False))
         n, w = arr.size, int(num_parts)
-        if w < 1:
-            raise ValueError(f"num_parts={num_parts}, expected >= 1")
         chunks = [_REQ.pack(n, w, code, int(home is not None) | (2 if quantized else 0)), arr.tobytes()]
         if home is not None:
-            chunks.append(np.asarray(home, dtype="<i8").tobytes())
-            sz = np.ones(n) if sizes is None else np.asarray(sizes, dtype="<f8")
-            chunks.append(sz.tobytes())
+            h, sz = check_home(home, sizes, n, w)
+            chunks += [h.astype("<i8", copy=False).tobytes(), sz.astype("<f8", copy=False).tobytes()]
         handle = PartitionHandle(self, w, n)
         with self._lock:
-            _write_all(self._fd_out, b"".join(chunks))
-            self._pending.append(handle)
+            self._send(b"".join(chunks), handle)
         return handle
 
     def submit_call(self, fn: Callable[..., Any], /, **kwargs: Any) -> PartitionHandle:
@@ -252,9 +255,37 @@ class PartitionWorker:
         payload = pickle.dumps((fn, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         handle = PartitionHandle(self, 1, 0)
         with self._lock:
-            _write_all(self._fd_out, _REQ.pack(len(payload), 0, _CALL, 0) + payload)
-            self._pending.append(handle)
+            self._send(_REQ.pack(len(payload), 0, _CALL, 0) + payload, handle)
         return handle
+
+    def _send(self, data: bytes, handle: PartitionHandle) -> None:
+        """Write a request (lock held), reading replies to earlier ones meanwhile.
+
+        With requests pending, the child may be writing a reply larger than the
+        pipe holds, waiting for us to read it; a blocking write of a large
+        request would then wait for the child forever. So the write is
+        non-blocking, and while the pipe is full, replies are read as they come.
+        """
+        if self._closed:
+            raise RuntimeError("PartitionWorker is closed")
+        view = memoryview(data)
+        while view.nbytes:
+            try:
+                view = view[os.write(self._fd_out, view) :]
+                continue
+            except BlockingIOError:
+                pass
+            readable, _, _ = select.select([self._fd_in] if self._pending else [], [self._fd_out], [])
+            if readable:
+                self._read_reply()
+        self._pending.append(handle)
+
+    def _read_reply(self) -> None:
+        """Read the next reply into the oldest pending handle (lock held)."""
+        status, length, ns, bound = _REP.unpack(_read_exact(self._fd_in, _REP.size))
+        done = self._pending.popleft()
+        done.seconds, done.lower_bound = ns * 1e-9, bound
+        done._reply = (status, _read_exact(self._fd_in, length))
 
     def _readable(self) -> bool:
         return bool(select.select([self._fd_in], [], [], 0)[0])
@@ -262,17 +293,18 @@ class PartitionWorker:
     def _collect(self, handle: PartitionHandle) -> None:
         with self._lock:
             while not handle.done():
-                status, length, ns, bound = _REP.unpack(_read_exact(self._fd_in, _REP.size))
-                done = self._pending.popleft()
-                done.seconds, done.lower_bound = ns * 1e-9, bound
-                done._reply = (status, _read_exact(self._fd_in, length))
+                if self._closed:
+                    raise RuntimeError("PartitionWorker is closed: its pending requests were dropped")
+                self._read_reply()
 
     def alive(self) -> bool:
         """Whether the child process is still running."""
         return self._proc.poll() is None
 
     def close(self) -> None:
-        """Stop the child process (idempotent)."""
+        """Stop the child process (idempotent); later calls raise ``RuntimeError``."""
+        with self._lock:
+            self._closed = True
         self._finalizer()
 
 
