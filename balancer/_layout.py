@@ -335,4 +335,9 @@ def opaque(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened and viewed as the same-size dtype that gathers copy
     (int64, int32, float16, uint8): bits are moved, never computed on."""
     flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        # An empty tensor counts as contiguous whatever its strides; one with
+        # stride 0 (torch.from_numpy of an empty array) cannot be viewed as
+        # bytes later (phase 2's pack): use a fresh one.
+        flat = torch.empty(0, dtype=t.dtype, device=t.device)
     return flat.view(OPAQUE[flat.element_size()])

@@ -656,3 +656,26 @@ def test_many_shuffles_leak_no_thread_fd_child_or_memory() -> None:
         assert steady[-1]["rss_mib"] - steady[0]["rss_mib"] < 8, [r["rss_mib"] for r in run]
         # close() stops the background thread and the planner process
         assert closed["threads"] < steady[-1]["threads"] and closed["children"] == 0, closed
+
+
+def _stride0_worker(rank: int, w: int, comm: str) -> tuple[list[Any], list[Any]]:
+    batch = make_batch(rank, 6, 6, seed=11)
+    if rank == 0:
+        # Empty histories built from numpy: values of shape (0,) and stride (0,),
+        # which phase 2 could not view as bytes (allgather raised on this rank only).
+        f = batch.features
+        empty = KeyedJaggedTensor(keys=f.keys(), values=torch.from_numpy(np.zeros(0, np.int64)),
+                                  weights=torch.from_numpy(np.zeros(0, np.float32)),
+                                  lengths=torch.zeros_like(f.lengths()))
+        assert empty.values().stride() == (0,)
+        batch = dataclasses.replace(batch, features=empty)
+    shuffler = BatchShuffler(token_count, comm=comm, timeout=60.0)
+    out = shuffler.shuffle(batch)
+    shuffler.close()
+    return rows(batch)[: batch.actual_batch_size], rows(out)[: out.actual_batch_size]
+
+
+@pytest.mark.parametrize("comm", ["all2all", "allgather"])
+def test_empty_values_with_stride_zero_shuffle(comm: str) -> None:
+    outs = run_workers(_stride0_worker, 3, comm, timeout=120)
+    assert Counter(r for before, _ in outs for r in before) == Counter(r for _, after in outs for r in after)
