@@ -342,7 +342,26 @@ class BalancedPrefetchTrainPipelineSparseDist(
     shuffle of batch ``i+2`` starts before the forward of batch ``i`` and
     finishes right after it, before the input dist of batch ``i+2`` at the end
     of the step. CUDA only: TorchRec's prefetch stage needs streams.
+
+    TorchRec's prefetch step runs the backward itself (not through
+    ``_backward``), so for online calibration the second span runs from the
+    forward's end to the end of the step's compute (the next input dist or
+    the dequeue): the cache prefetch of batch ``i+1`` on its own stream, the
+    backward and the optimizer step.
     """
+
+    def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
+        self._close_backward_span()
+        super().start_sparse_data_dist(batch, context)
+
+    def dequeue_batch(self) -> None:
+        self._close_backward_span()
+        super().dequeue_batch()
+
+    def _close_backward_span(self) -> None:
+        """After a forward (one span recorded), the span up to now (backward and step)."""
+        if self._timed and len(self._spans) == 1:
+            self._spans.append((self._spans[0][1], self._mark()))
 
 
 class _AllFeaturesTokenCount:

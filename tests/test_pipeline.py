@@ -33,9 +33,11 @@ by ~1/64 relative) cannot hide inside the tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -318,3 +320,39 @@ def test_non_basebatch_is_rejected() -> None:
     )
     with pytest.raises(TypeError, match=r"needs balancer.BaseBatch batches, got Tensor"):
         pipe.progress(iter([torch.zeros(2, 2)]))
+
+
+def _timed_worker(rank: int, w: int, runner: str) -> list[float]:
+    """Seconds the pipeline reports for online calibration, with a backward slowed by 0.2 s."""
+    model, optimizer = build_model(parse_args(ARGS), torch.device("cpu"), dist.group.WORLD)
+    shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), calibrate=True)
+    reported: list[float] = []
+    record = shuffler.record_compute
+
+    def spy(handle: Any, seconds: float | None = None, *, events: Any = ()) -> None:
+        reported.append(float(seconds or 0.0))
+        record(handle, seconds, events=events)
+
+    shuffler.record_compute = spy  # type: ignore[method-assign]
+
+    def forward(batch: Any) -> Any:
+        loss, out = model(batch)
+        loss.register_hook(lambda g: (time.sleep(0.2), g)[1])  # runs inside the backward
+        return loss, out
+
+    cls = _CPUPrefetch if runner == "prefetch" else BalancedTrainPipelineSparseDist
+    pipe = cls(model, optimizer, torch.device("cpu"), shuffler, custom_model_fwd=forward)
+    it = iter(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=4, max_seqlen=48, seed=3))
+    with contextlib.suppress(StopIteration):
+        while True:
+            pipe.progress(it)
+    pipe.close()
+    return reported
+
+
+@pytest.mark.parametrize("runner", ["pipeline", "prefetch"])
+def test_calibration_times_include_the_backward(runner: str) -> None:
+    # TorchRec's prefetch step runs the backward itself, not through _backward:
+    # the prefetch pipeline once reported the forward alone (~5 ms, not >= 0.2 s).
+    for reported in run_workers(_timed_worker, 2, runner, timeout=300):
+        assert len(reported) == 4 and min(reported) >= 0.2, reported
