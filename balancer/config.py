@@ -173,8 +173,10 @@ class BalancerConfig:
     online_calibration: bool = False
     """Fit the cost model to the compute times every rank measures (CUDA events
     on a GPU, a monotonic clock on the CPU) and partition with it once enough
-    measurements exist; the pipeline measures forward and backward itself.
-    See ``BatchShuffler(calibrate=True)``."""
+    measurements exist; the pipeline measures forward and backward itself
+    (spans that include waits at the model's own collectives, e.g. DDP's
+    gradient all-reduce: see ``docs/api.md``). See
+    ``BatchShuffler(calibrate=True)``."""
 
     calibration_keys: tuple[str, ...] | None = None
     """The KJT keys whose lengths make up a sample's length in the fitted
