@@ -42,7 +42,8 @@ def as_lengths(lengths: Any, where: str) -> np.ndarray:
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"lengths[{i}] = {arr[i]}, expected an integer >= 0 and below 2**53 ({where})")
     # Exact in int64 unless the float64 sum is already far past the limit.
-    total = float(x.sum()) if float(x.sum()) >= 2.0**62 else int(x.astype(np.int64).sum())
+    approx = float(x.sum())
+    total = approx if approx >= 2.0**62 else int(x.astype(np.int64).sum())
     if total >= LENGTHS_TOTAL:
         raise ValueError(f"lengths sum to {total}, expected below 2**53 so that float64 sums them exactly "
                          f"({where})")
