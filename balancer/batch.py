@@ -218,8 +218,22 @@ class BaseBatch(Pipelineable):
         new.update(changes)
         return dataclasses.replace(self, **new)
 
-    def to(self: _B, device: torch.device, non_blocking: bool = False) -> _B:
-        """Copy every tensor field to ``device``."""
+    def to(self: _B, device: torch.device, non_blocking: bool = False,
+           data_copy_stream: torch.Stream | None = None) -> _B:
+        """Copy every tensor field to ``device``.
+
+        ``data_copy_stream`` (TorchRec's ``enable_inplace_copy_batch``): the
+        copies run on that stream; TorchRec then records no stream for the
+        batch, so the stream current at the call is recorded on every output
+        tensor here, keeping the memory from reuse while it works on them.
+        """
+        if data_copy_stream is not None:
+            module = torch.get_device_module(torch.device(device).type)
+            current = module.current_stream(device)
+            with module.stream(data_copy_stream):
+                out = self.to(device, non_blocking)
+            out.record_stream(current)
+            return out
         return self.map_tensors(
             lambda k: k.to(device=device, non_blocking=non_blocking),
             lambda t: t.to(device=device, non_blocking=non_blocking),

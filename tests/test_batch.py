@@ -255,3 +255,19 @@ def test_batch_cuda_round_trip() -> None:
     back = sel.to(torch.device("cpu"))
     assert torch.equal(back.dense, ref.dense)
     assert as_lists(back.features) == as_lists(ref.features)
+    # TorchRec's in-place copy mode (enable_inplace_copy_batch) passes its memcpy stream
+    stream = torch.cuda.Stream()
+    copied = batch.pin_memory().to(torch.device("cuda"), non_blocking=True, data_copy_stream=stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    again = copied.to(torch.device("cpu"))
+    assert torch.equal(again.dense, batch.dense) and as_lists(again.features) == as_lists(batch.features)
+
+
+def test_to_takes_torchrec_data_copy_stream() -> None:
+    # TorchRec's enable_inplace_copy_batch calls batch.to(..., data_copy_stream=...),
+    # which BaseBatch.to did not take (a TypeError in the pipeline's first step).
+    batch = make_batch(torch.Generator().manual_seed(7), b=5, real=4)
+    cpu = torch.device("cpu")
+    copied = batch.to(cpu, non_blocking=False, data_copy_stream=torch.cpu.Stream())
+    assert torch.equal(copied.dense, batch.dense) and as_lists(copied.features) == as_lists(batch.features)
+    assert copied.actual_batch_size == batch.actual_batch_size
