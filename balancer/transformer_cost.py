@@ -75,7 +75,8 @@ class TransformerCost(_Quadratic):
         backward: count forward + backward (x3) instead of the forward only.
         feature_names: the batch feature(s) forming the sequence when called on
             a :class:`~balancer.batch.BaseBatch`; empty means every key of
-            ``batch.features``.
+            ``batch.features`` (with ``include_contextual``, every key but the
+            contextual ones, which are added once as such).
         interleaved, include_contextual: see
             :func:`~balancer.workloads.sequence_lengths`.
     """
@@ -224,9 +225,15 @@ class TransformerCost(_Quadratic):
         """Per-sample FLOPs, int64 ``[batch.batch_size]`` on the batch's device.
 
         Rounded and clamped to ``[0, MAX_COST]``; padding samples cost 0. With
-        empty ``feature_names`` the length sums every key of ``batch.features``.
+        empty ``feature_names`` the length sums every key of ``batch.features``
+        (each once: with ``include_contextual`` the contextual keys count as
+        contextual, not twice).
         """
-        names = self.feature_names or tuple(batch.features.keys())
+        names = self.feature_names
+        if not names:
+            skip = set(batch.contextual_feature_names) if self.include_contextual else set()
+            keys: list[str] = batch.features.keys()  # a KJT: iterating it is not its keys
+            names = tuple(k for k in keys if k not in skip)
         lengths = sequence_lengths(
             batch, names, interleaved=self.interleaved, include_contextual=self.include_contextual
         )

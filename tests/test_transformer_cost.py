@@ -180,3 +180,16 @@ def test_of_lengths_numpy_torch_and_batch() -> None:
     assert cost(batch).tolist() == [round(a * 16 + b * 4), round(a * 121 + b * 11), 0]
     only = TransformerCost(**SMALL, feature_names=["tok"])
     assert only(batch).tolist() == [round(a * 9 + b * 3), round(a * 81 + b * 9), 0]
+
+
+def test_every_key_with_contextual_features_counts_each_once() -> None:
+    # Empty feature_names ("every key") with include_contextual=True always raised:
+    # the contextual key was both in "every key" and contextual.
+    f = KeyedJaggedTensor(keys=["item", "user"], values=torch.zeros(4, dtype=torch.int64),
+                          lengths=torch.tensor([2, 1, 1, 0]))
+    batch = BaseBatch(features=f, batch_size=2, feature_to_max_seqlen={}, contextual_feature_names=["user"])
+    with_ctx = TransformerCost(64, 128, 1, 4, include_contextual=True)
+    a, b, c = with_ctx.coefficients()
+    lens = torch.tensor([3.0, 1.0], dtype=torch.float64)  # item + user, once each
+    assert with_ctx(batch).tolist() == torch.round((a * lens + b) * lens + c).long().tolist()
+    assert with_ctx(batch).tolist() == TransformerCost(64, 128, 1, 4)(batch).tolist()
