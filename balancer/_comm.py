@@ -239,7 +239,9 @@ def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf
         lengths.append(t if t.dtype == dtype else t.to(dtype))
     fields: dict[str, Any] = {}
     if layout.is_tokens:
-        lead = (b, ex.out_len) if any(s.padded for s in layout.sections if s.jagged) else (-1,)
+        # Packed: T_out tokens, from the plan (seq_lens play a one-key KJT's
+        # lengths there); not -1, which a per-token width of 0 cannot resolve.
+        lead = (b, ex.out_len) if any(s.padded for s in layout.sections if s.jagged) else (ex.length_per_key[0][0],)
         fields["tokens"] = {t.name: out[(t.name, "tokens")].view(*lead, *t.shape) for t in layout.tokens}
         fields["samples"] = {d.name: out[(d.name, "samples")].view(b, *d.shape) for d in layout.dense}
         fields["seq_lens"] = lengths[0]

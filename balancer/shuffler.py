@@ -337,7 +337,8 @@ class BatchShuffler(ShufflerBase):
             A batch of the same type and ``batch_size``: the real samples this
             rank was assigned (ascending global index), then padding;
             ``actual_batch_size`` is their count. When no sample moves anywhere,
-            ``batch`` itself.
+            ``batch`` itself (a padded ``TokenBatch`` cut or padded to its
+            longest sample rounded up to ``pad_multiple``, as a shuffle gives).
 
         Raises:
             ValueError: on every rank, when any rank's input or configuration
@@ -371,6 +372,8 @@ class BatchShuffler(ShufflerBase):
             wait_s = perf_counter() - t_wait
             collective_s = 0.0
             out: Any = batch if self.capacity is None else _padded(batch, self.capacity)
+            if outcome.exchange is None:
+                out = _canonical_length(out, handle._meta)
             if outcome.exchange is not None or outcome.join:
                 groups = self._groups_for(group)
                 target = groups.phase2_group(batch.device)
@@ -566,6 +569,30 @@ class BatchShuffler(ShufflerBase):
         if self._worker is None:
             self._worker = PartitionWorker()  # closes itself when garbage collected
         return self._worker
+
+
+def _canonical_length(batch: Any, meta: Any) -> Any:
+    """A padded ``TokenBatch`` that stays put, at the length a shuffle gives:
+    its longest sample rounded up to ``pad_multiple`` (anything else unchanged).
+
+    The longest comes from phase 1's host copy of the lengths (complete by
+    now: the background thread waited for it), so nothing is read from the device.
+    """
+    if not isinstance(batch, TokenBatch) or batch.packed or meta.host is None:
+        return batch
+    b, real = meta.batch_size, meta.real
+    longest = int(meta.host[b : b + b].numpy()[:real].max(initial=0))
+    m = batch.pad_multiple
+    length = -(-longest // m) * m
+    if length == batch.max_len:
+        return batch
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        if length < t.shape[1]:  # only padding slots are cut
+            return t[:, :length].contiguous()
+        return torch.cat([t, t.new_zeros((t.shape[0], length - t.shape[1], *t.shape[2:]))], dim=1)
+
+    return dataclasses.replace(batch, tokens={k: fit(v) for k, v in batch.tokens.items()})
 
 
 def _padded(batch: Any, size: int) -> Any:

@@ -206,3 +206,52 @@ def test_padded_batches_of_length_zero_shuffle(comm: str, everywhere: bool) -> N
     assert got == sorted((i + 1 + 10 * r, lens[r][i]) for r in range(2) for i in range(3))
     for o in outs:
         assert o["shape"][0] == 3 and o["shape"][1] == max((n for _, n in o["got"]), default=0)
+
+
+def _still_worker(rank: int, w: int, length: int, capacity: int | None) -> dict[str, Any]:
+    """Identical padded batches on every rank: nothing moves."""
+    lens = torch.tensor([5, 3])
+    ids = torch.zeros(2, length, dtype=torch.int64)
+    for i, n in enumerate(lens.tolist()):
+        ids[i, :n] = 100 * (i + 1) + torch.arange(n)
+    batch = TokenBatch(batch_size=2, seq_lens=lens, tokens={"ids": ids, "nothing": torch.zeros(2, length, 0)},
+                       pad_multiple=4)
+    shuffler = BatchShuffler(lambda t: t.seq_lens.double(), capacity=capacity)
+    handle = shuffler.start_shuffle_async(batch)
+    out = shuffler.finish_shuffle(batch, handle)
+    shuffler.close()
+    return {"comm": handle.stats.comm, "shape": tuple(out.tokens["ids"].shape),
+            "zero": tuple(out.tokens["nothing"].shape), "ids": out.tokens["ids"][:2, :5].tolist(),
+            "tail": int(out.tokens["ids"][:, 5:].abs().sum())}
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+@pytest.mark.parametrize("length", [5, 12])
+def test_pad_multiple_holds_when_nothing_moves(length: int, capacity: int | None) -> None:
+    # A batch that stayed put kept its own L (5 or 12), not the longest sample
+    # rounded up to pad_multiple (8) that every moved batch gets.
+    for out in run_workers(_still_worker, 2, length, capacity, timeout=120):
+        assert out["comm"] == "none"
+        assert out["shape"] == (capacity or 2, 8) and out["zero"] == (capacity or 2, 8, 0)
+        assert out["ids"] == [[100, 101, 102, 103, 104], [200, 201, 202, 0, 0]] and out["tail"] == 0
+
+
+def _zero_width_worker(rank: int, w: int) -> dict[str, Any]:
+    lens = torch.tensor([8, 7, 1]) if rank == 0 else torch.tensor([1, 1, 1])
+    t = int(lens.sum())
+    sid = torch.tensor([1.0, 2.0, 3.0]) + 10 * rank
+    batch = TokenBatch(batch_size=3, seq_lens=lens, packed=True, samples={"sid": sid},
+                       tokens={"ids": torch.arange(t), "empty": torch.zeros(t, 0)})
+    shuffler = BatchShuffler(lambda b: b.seq_lens.double() ** 2)
+    out = shuffler.shuffle(batch)
+    shuffler.close()
+    return {"lens": out.seq_lens.tolist(), "empty": tuple(out.tokens["empty"].shape),
+            "ids": tuple(out.tokens["ids"].shape), "sid": out.samples["sid"][: out.actual_batch_size].tolist()}
+
+
+def test_packed_field_of_width_zero_shuffles() -> None:
+    # .view(-1, 0) cannot infer T: the shuffle aborted and closed the shuffler.
+    outs = run_workers(_zero_width_worker, 2, timeout=120)
+    assert sorted(s for o in outs for s in o["sid"]) == [1.0, 2.0, 3.0, 11.0, 12.0, 13.0]
+    for o in outs:
+        assert o["empty"] == (sum(o["lens"]), 0) and o["ids"] == (sum(o["lens"]),)
