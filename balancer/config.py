@@ -48,6 +48,14 @@ def check_timeout(owner: str, field: str, value: object) -> None:
         raise ValueError(f"{owner}: {field}={value!r}, expected a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
 
 
+def check_executor(owner: str, executor: str, *, default_partition: bool, partition: object) -> None:
+    """Raise ValueError if ``executor="process"`` comes with another partition than
+    ``balanced_partition`` (the child process runs only that one); ``partition`` names it."""
+    if executor == "process" and not default_partition:
+        raise ValueError(f"{owner}: executor='process' runs balanced_partition in a child process; "
+                         f"partition={partition!r} needs executor='thread' or 'auto'")
+
+
 def check_token_cap(owner: str, value: object, *, default_partition: bool, needs: str, partition: object,
                     capacity: object) -> None:
     """Raise ValueError unless ``value`` is None, or a finite number >= 1 (a multiple of the
@@ -219,9 +227,7 @@ class BalancerConfig:
                         needs="partition='balanced'", partition=self.partition, capacity=self.capacity)
         if self.capacity is not None and self.partition != "balanced":
             raise ValueError(f"{me}: capacity={self.capacity} needs partition='balanced', got {self.partition!r}")
-        if self.executor == "process" and self.partition != "balanced":  # else only create_train_pipeline raised
-            raise ValueError(f"{me}: executor='process' runs balanced_partition in a child process; "
-                             f"partition={self.partition!r} needs executor='thread' or 'auto'")
+        check_executor(me, self.executor, default_partition=self.partition == "balanced", partition=self.partition)
         check_group_size(me, self.group_size, comm=self.comm, default_partition=self.partition == "balanced",
                          partition=self.partition, capacity=self.capacity, calibrate=self.online_calibration,
                          token_cap=self.token_cap, calibrate_name="online_calibration")

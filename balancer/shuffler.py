@@ -79,6 +79,7 @@ from balancer.config import (
     EXECUTORS,
     check_bool,
     check_choice,
+    check_executor,
     check_group_size,
     check_interval,
     check_timeout,
@@ -224,11 +225,8 @@ class BatchShuffler(ShufflerBase):
                          calibrate=calibrate, token_cap=token_cap)
         if executor == "auto":
             executor = "process" if partition is balanced_partition else "thread"
-        if executor == "process" and partition is not balanced_partition:
-            raise ValueError(
-                f"{me}: executor='process' runs balanced_partition in a child process; "
-                f"partition={getattr(partition, '__name__', partition)!r} needs executor='thread'"
-            )
+        check_executor(me, executor, default_partition=partition is balanced_partition,
+                       partition=getattr(partition, "__name__", partition))
         super().__init__(workload_fn, log_interval)
         self.comm, self.partition, self.locality, self.executor = comm, partition, locality, executor
         self.timeout = float(timeout)
