@@ -142,7 +142,8 @@ def first_fit_padded(head: np.ndarray, rows: np.ndarray, cap: int | None, max_ro
 
     Units are taken longest first (ties by index); each goes to the first
     micro-batch that stays within ``cap`` (rows x its first, longest unit)
-    and ``max_rows``, or opens a new one.
+    and ``max_rows``, or opens a new one. So every list is in that order too:
+    longest first.
     """
     order = np.lexsort((np.arange(head.size), -head)).tolist()
     first: list[int] = []  # the longest length of each micro-batch
@@ -171,6 +172,7 @@ def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: i
     Splitting a micro-batch never costs more (each half's longest is at most
     the whole's), so first-fit's micro-batches are split, the split that saves
     most first (a micro-batch's shortest units moved out), until there are ``k``.
+    Every micro-batch returned lists its units longest first (ties by index).
 
     Args:
         head: [U] longest length per unit; rows: [U] rows per unit; c: [U]
@@ -188,8 +190,7 @@ def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: i
             # The best single split: the units after position t of a micro-batch
             # (longest first) move out, saving rows(after) x (c(first) - c(t)).
             best: tuple[float, int, int] | None = None
-            for m, units in enumerate(ffd):
-                units.sort(key=lambda u: (-int(head[u]), u))
+            for m, units in enumerate(ffd):  # longest first: a split keeps that order
                 for t in range(1, len(units)):
                     gain = float(rows[units[t:]].sum()) * float(c[units[0]] - c[units[t]])
                     if best is None or gain > best[0]:
@@ -202,7 +203,7 @@ def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: i
     if not cands:
         return None
     def total(mbs: list[list[int]]) -> float:
-        return sum(float(rows[m].sum()) * float(c[max(m, key=lambda u: (int(head[u]), -u))]) for m in mbs)
+        return sum(float(rows[m].sum()) * float(c[m[0]]) for m in mbs)  # m[0]: the longest
 
     return min(cands, key=total)
 

@@ -36,7 +36,7 @@ from balancer._microbatch_pack import (
     pack_padded_groups,
     segment_padded,
 )
-from balancer.microbatch import MicroBatchPlan, _finish, _local_k, _plan_k
+from balancer.microbatch import MicroBatchPlan, _finish, _grouped, _local_k, _plan_k
 from balancer.partition import balanced_partition, lower_bound
 from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign, labels_to_lists
@@ -292,7 +292,7 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
     u = un.tokens.size
     order = np.lexsort((np.arange(u), -un.head))
     ends = max_ends(un.head[order], un.rows[order], cap, mbs)
-    grouped = bool(un.rows.max(initial=1) > 1)
+    grouped = _grouped(un)
     fewest = len(min_segments(ends)) - 1
     if grouped:  # contiguous runs are not always the fewest: first-fit decreasing too
         fewest = min(fewest, len(first_fit_padded(un.head, un.rows, cap, mbs)))
@@ -311,7 +311,7 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
     if grouped:
         found = pack_padded_groups(un.head, un.rows, un.head_cost, cap, mbs, w * k)
         if found is not None:
-            runs = [np.asarray(sorted(m, key=lambda i: (-int(un.head[i]), i)), np.int64) for m in found]
+            runs = [np.asarray(m, np.int64) for m in found]  # each longest first, as runs are
     else:
         bounds = segment_padded(un.head_cost[order], un.rows[order], ends, w * k)
         if bounds is not None:
