@@ -136,11 +136,12 @@ class BufferedDispatcher:
             new = np.arange(self._next_id, self._next_id + lens.size, dtype=np.int64)
         else:
             raw = np.asarray(ids)
-            if raw.dtype.kind not in "iuf" or (raw.dtype.kind == "f" and not np.all(raw == np.round(raw))):
-                bad = next((i for i, v in enumerate(raw.ravel().tolist())
-                            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != round(v)), 0)
-                raise ValueError(f"ids[{bad}] = {raw.ravel()[bad].item()!r}, expected an integer "
-                                 "(BufferedDispatcher.put)")
+            flat = raw.ravel()
+            whole = (np.isfinite(flat) & (flat == np.round(flat)) if raw.dtype.kind == "f"
+                     else np.full(flat.shape, raw.dtype.kind in "iu"))
+            if not whole.all():
+                bad = int(np.argmin(whole))  # the first id that is not an integer
+                raise ValueError(f"ids[{bad}] = {flat[bad].item()!r}, expected an integer (BufferedDispatcher.put)")
             new = raw.astype(np.int64)
             if new.shape != lens.shape:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
@@ -266,10 +267,8 @@ def _with_empty_ranks(plan: DispatchPlan, w: int) -> DispatchPlan:
     extra = w - len(plan.ranks)
     if extra == 0:
         return plan
-    zeros = np.zeros(extra)
-
     def pad(a: np.ndarray) -> np.ndarray:
-        return np.concatenate([a, zeros.astype(a.dtype)])
+        return np.concatenate([a, np.zeros(extra, a.dtype)])
 
     return dataclasses.replace(
         plan, ranks=plan.ranks + [[] for _ in range(extra)],
