@@ -466,7 +466,7 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
 
 
 # ----------------------------------------------------------------- 2c. under load
-LOAD_SHAPES = [(16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512), (256, 1024)]
+LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 16384x16 ... 256x1024
 
 
 def _spin(run: Any, stop: Any, ready: Any) -> None:
