@@ -40,7 +40,7 @@ from balancer._plan import Gathered, RankPlan
 from balancer._plan_layout import PlanLayout, SectionPlan
 from balancer._runs import HostBlob, IndexBlob, RunGather, RunPut, plan_puts, plan_runs
 
-__all__ = ["Exchange", "Traffic", "plan_exchange"]
+__all__ = ["Exchange", "Traffic", "padded_length", "plan_exchange"]
 
 
 def _pad8(n: np.ndarray) -> np.ndarray:
@@ -153,8 +153,12 @@ def _out_len(layout: PlanLayout, g: Gathered, plan: RankPlan) -> int:
         return 0
     b = g.batch_size
     longest = int(g.lengths[plan.sources // b, 0, plan.sources % b].max(initial=0))
-    m = layout.pad_multiple
-    return -(-longest // m) * m
+    return padded_length(longest, layout.pad_multiple)
+
+
+def padded_length(longest: int, pad_multiple: int) -> int:
+    """L of a padded token batch whose longest sample has ``longest`` tokens: rounded up to ``pad_multiple``."""
+    return -(-longest // pad_multiple) * pad_multiple
 
 
 def plan_exchange(comm: str, layout: PlanLayout, g: Gathered, plan: RankPlan, out_batch: int | None = None) -> Exchange:

@@ -56,7 +56,7 @@ from balancer._agreement import Agreement, Report, Verdict, decide, describe_fai
 from balancer._calibrate import CalibrationState
 from balancer._comm import ShuffleGroups
 from balancer._destinations import PartitionFn
-from balancer._exchange import Traffic
+from balancer._exchange import Traffic, padded_length
 from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
@@ -580,8 +580,7 @@ def _canonical_length(batch: Any, meta: Any) -> Any:
         return batch
     b, real = meta.batch_size, meta.real
     longest = int(meta.host[b : b + b].numpy()[:real].max(initial=0))
-    m = batch.pad_multiple
-    length = -(-longest // m) * m
+    length = padded_length(longest, batch.pad_multiple)  # as a shuffle's output gets it
     if length == batch.max_len:
         return batch
 
