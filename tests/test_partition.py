@@ -494,7 +494,7 @@ def test_optimal_where_greedy_is_not() -> None:
     assert hits >= 36, f"optimal on {hits} of {cases} instances where greedy is not"
 
 
-def test_grouped_bound_covers_every_k() -> None:
+def test_grouped_bound_covers_every_k(monkeypatch: pytest.MonkeyPatch) -> None:
     # 300 equal huge items H among 400 parts of 2: the grouped term with k = 300
     # (beyond the old cap of 256) gives H + the average of the 300 smallest
     # fillers; with k = 256 it would be the average of the 256 smallest.
@@ -503,9 +503,65 @@ def test_grouped_bound_covers_every_k() -> None:
     fill = np.sort(rng.integers(1, 1000, w * b - 300))
     x = np.concatenate([np.full(300, 10**6), fill])
     expected = 10**6 + -(-int(fill[:300].sum()) // 300)
-    assert lower_bound(x, w) == float(expected) > 10**6 + fill[:256].sum() / 256
-    # Each H sits with exactly one filler: the optimum is H + the 300th smallest.
+    with monkeypatch.context() as m:  # the grouped term alone
+        m.setattr("balancer.partition._bound.crowded_bound", lambda v, prefix, w, best: best)
+        assert lower_bound(x, w) == float(expected) > 10**6 + fill[:256].sum() / 256
+    # Each H sits with exactly one filler: the optimum is H + the 300th smallest,
+    # and the crowded term proves it (the 201 fillers >= fill[299] cannot all
+    # fit in the 200 slots of the 100 parts without an H).
+    assert lower_bound(x, w) == 10**6 + int(fill[299]) > expected
     assert _max_load(x, balanced_partition(x, w)) == 10**6 + int(fill[299])
+
+
+def _truncated(rng: np.random.Generator, w: int, b: int, floats: bool) -> np.ndarray:
+    """A tiny instance with a tie block at the top: lengths cut at a maximum."""
+    n = w * b
+    top = int(rng.integers(20, 200))
+    k = int(rng.integers(w + 1, n - 1))
+    rest = rng.integers(0, top, n - k) ** int(rng.integers(1, 3))
+    x = np.minimum(np.concatenate([np.full(k, top), rest]), top)
+    rng.shuffle(x)
+    return x * 1.37 if floats else x
+
+
+def test_crowded_bound_against_brute_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Truncated instances: the crowded term never passes the optimum, raises
+    # the bound on some and makes it tight on some (measured while building it:
+    # 600 instances, 0 above the optimum, 42 raised, 24 of them to the optimum).
+    from balancer.partition import _bound
+
+    rng = np.random.default_rng(0)
+    shapes = [(3, 3), (3, 4), (4, 3), (2, 6), (5, 2), (2, 5)]
+    raised = tight = 0
+    for trial in range(240):
+        w, b = shapes[trial % len(shapes)]
+        x = _truncated(rng, w, b, floats=trial % 3 == 0)
+        opt = min(max(float(x[list(g)].sum()) for g in part) for part in _equal_partitions(x.size, w))
+        new = lower_bound(x, w)
+        with monkeypatch.context() as m:
+            m.setattr(_bound, "crowded_bound", lambda v, prefix, w, best: best)
+            old = lower_bound(x, w)
+        assert old <= new <= opt, (w, sorted(x.tolist()), old, new, opt)
+        raised += new > old
+        tight += new > old and new >= opt * (1 - 1e-12)
+    assert raised >= 10 and tight >= 5, (raised, tight)
+
+
+def test_crowded_bound_at_scale_on_clipped_zipf(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Zipf lengths clipped at 4096 (~2.7 clipped samples per part at B = 16):
+    # parts holding three clipped samples cannot take the larger fillers. The
+    # crowded term raises the bound (measured: 6.1e-4 on 16384 x 16, 1.3e-3 on
+    # 1024 x 16, 4.9e-5 on 2048 x 8) and stays below what the partition reaches.
+    from balancer.partition import _bound
+
+    for w, b, least in ((16384, 16, 5e-4), (1024, 16, 1e-3), (2048, 8, 4e-5)):
+        x = _seeded("zipf", w, b, 0)
+        new = lower_bound(x, w)
+        with monkeypatch.context() as m:
+            m.setattr(_bound, "crowded_bound", lambda v, prefix, w, best: best)
+            old = lower_bound(x, w)
+        reached = _max_load(x, balanced_partition(x, w))
+        assert old * (1 + least) < new <= reached, (w, b, old, new, reached)
 
 
 def test_large_inputs_are_deterministic() -> None:

@@ -14,7 +14,10 @@ maximum of:
 * grouped (equal sizes only): the ``k < W`` largest lie in ``m`` parts,
   ``ceil(k / B) <= m <= k``, which hold at least ``top_k + S(mB - k)``; one of
   them carries the average ``g_k(m) = (top_k + S(mB - k)) / m``. The bound
-  uses ``min_m g_k(m)`` for every ``k``.
+  uses ``min_m g_k(m)`` for every ``k``;
+* crowded (equal sizes only, :mod:`balancer.partition._crowded`): when the
+  largest tie block (truncated lengths) forces parts to hold ``c`` of its
+  items each, fillers too big to join them must fit in the other parts.
 
 ``g_k`` is unimodal in ``m``: going from ``m`` to ``m + 1`` parts adds the next
 ``B`` fillers ``chunk(m) = S((m+1)B - k) - S(mB - k)``, so ``g_k(m + 1) <
@@ -42,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from balancer.partition._crowded import crowded_bound
 from balancer.partition._validate import as_workloads, check_num_parts, check_sizes
 
 __all__ = ["as_float", "bound_sorted", "lower_bound", "prefix_sums"]
@@ -65,7 +69,12 @@ def lower_bound(workloads: Any, num_parts: int, *, equal_size: bool = True, min_
       plus ``mB - k`` others, so their total is ``>= top_k + S(mB - k)`` and
       one of them carries the average. Minimising over ``m`` covers every
       partition. This is tight when a few huge items each need a part topped
-      up with the smallest fillers (e.g. 362 clipped samples among 8192 parts).
+      up with the smallest fillers (e.g. 362 clipped samples among 8192 parts);
+    * crowded: with ``K`` the largest tie block and ``c = ceil(K/W)``, at least
+      ``K - (c-1)W`` parts hold ``c`` of those items; a filler too big to sit
+      beside ``c`` of them must go to the other parts, and when those cannot
+      hold all such fillers below a load ``T``, no partition stays below ``T``
+      (:mod:`balancer.partition._crowded`).
 
     The bound is the maximum over all terms, the grouped term for every
     ``k < W`` (the minimum over ``m`` by binary search: the average is
@@ -165,7 +174,7 @@ def bound_sorted(v: np.ndarray, num_parts: int, *, equal_size: bool = True, min_
     useful = alone / k > float(best) * (1.0 - 1e-9)
     k, top = k[useful], top[useful]
     if k.size == 0:
-        return best
+        return crowded_bound(v, prefix, w, best)
     lo = -(-k // b)  # the first m with P(m) lies in [lo, k]; P(k) holds by convention
     hi = k.copy()
     while True:
@@ -181,4 +190,4 @@ def bound_sorted(v: np.ndarray, num_parts: int, *, equal_size: bool = True, min_
         lo = np.where(act & ~found, mid + 1, lo)
     num = top + prefix[lo * b - k]
     f = -(-num // lo) if is_int else num / lo
-    return max(best, f.max().item())
+    return crowded_bound(v, prefix, w, max(best, f.max().item()))
