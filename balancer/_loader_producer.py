@@ -180,8 +180,8 @@ def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler,
         while run.take():
             if failure is None:
                 batch, exhausted, failure = _take(source, template, exhausted, step)
-            if world == 1 and exhausted:
-                break
+            if world == 1 and exhausted and failure is None:
+                break  # the end of the pass (a pass with no batch at all fails, as on many ranks)
             if failure is not None:  # every rank raises it (this one too)
                 _report(shuffler, workloads, _carrier(template), failure, group)
             handle = shuffler.start_shuffle_async(batch, group)

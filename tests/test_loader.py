@@ -280,6 +280,16 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank(group_size
             assert out["loader_raises"][3] == ["WrappedLoaderError", "KeyError"]
 
 
+def test_a_pass_without_a_batch_fails_in_one_process_as_on_many_ranks() -> None:
+    # One process used to end such a pass silently (a smoke test passed where
+    # torchrun raises); a pass that ends after some batches still just ends.
+    with BalancedLoader(Source(0, [0, 3]), cost, **FAST) as loader:
+        n, kind, msg, _ = _outcome(loader)
+        assert (n, kind) == (0, "ValueError") and "the wrapped loader yielded no batch before step 0" in msg, msg
+        loader.set_epoch(1)
+        assert _outcome(loader)[:2] == (3, "ok")
+
+
 # ----------------------------------------------- threads, host reads
 def _loader_threads(prefix: str = "balancer-loader") -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
