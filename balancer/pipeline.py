@@ -211,6 +211,8 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             self._spans.append((start, self._mark()))
 
     def dequeue_batch(self) -> None:
+        """Retire the oldest batch: its stats become ``last_step_stats`` and its
+        compute time goes to the calibration (when timed)."""
         if self.contexts:
             index = self.contexts[0].index
             self.last_step_stats = self._stats.pop(index, None)
@@ -238,6 +240,8 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             shuffler.record_compute(handle, sum(end - start for start, end in spans))
 
     def reset(self) -> None:
+        """Finish every pending shuffle (a collective: call on every rank), then
+        TorchRec's reset."""
         self._finish_shuffles()
         self._stats.clear()
         self._handles.clear()
@@ -351,10 +355,13 @@ class BalancedPrefetchTrainPipelineSparseDist(
     """
 
     def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
+        """Close the timed backward span (TorchRec's prefetch step runs backward
+        itself), then the balanced pipeline's hook."""
         self._close_backward_span()
         super().start_sparse_data_dist(batch, context)
 
     def dequeue_batch(self) -> None:
+        """Close the timed backward span, then retire the oldest batch."""
         self._close_backward_span()
         super().dequeue_batch()
 

@@ -99,6 +99,7 @@ class TokenBatch:
 
     @property
     def device(self) -> torch.device:
+        """The device of ``seq_lens`` (every token field lives there too)."""
         return self.seq_lens.device
 
     @property
