@@ -24,14 +24,20 @@ tests asserting that *every* rank raised.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.context
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
@@ -70,14 +76,49 @@ def _mp_context() -> multiprocessing.context.ForkServerContext:
         # Only takes effect before the server starts (the first launch); the
         # server is shared by every later launch of this process.
         ctx.set_forkserver_preload(_PRELOAD)
+        _start_forkserver()
         _context = ctx
     return _context
 
 
+def _start_forkserver() -> None:
+    """Start the server with CUDA's availability answered by NVML, not the driver.
+
+    ``import fbgemm_gpu`` (preloaded) calls ``torch.cuda.is_available()``.
+    Answered by the CUDA runtime (``cudaGetDeviceCount``), that initialises the
+    driver in the server, and every worker forked from it then fails its first
+    CUDA call: "Cannot re-initialize CUDA in forked subprocess", or
+    ``cudaErrorInitializationError`` from ``pin_memory`` (seen on an H200).
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes torch ask NVML instead, which
+    leaves the driver alone. The server takes the environment as it starts, so
+    the variable is set only around the start: the caller's own process is left
+    as it was, and the workers inherit the server's.
+    """
+    key = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    saved = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+_STACKS_FILE: Any = None  # a worker's open file for its stack dump (kept open for faulthandler)
+
+
 def _entry(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], q: Any,
-    backend: str = "gloo",
+    backend: str = "gloo", stacks_dir: str | None = None,
 ) -> None:
+    global _STACKS_FILE
+    if stacks_dir is not None:
+        # On a timeout the parent asks for every thread's stack (SIGUSR1), so a
+        # hang names where each rank waits instead of only that it did.
+        _STACKS_FILE = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
+        faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
     # One intra-op thread per rank: ranks share the machine's cores.
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -123,8 +164,9 @@ def run_workers_outcomes(
     ctx = _mp_context()
     q = ctx.Queue()
     port = free_port()
+    stacks_dir = tempfile.mkdtemp(prefix="balancer_workers_")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q, backend), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q, backend, stacks_dir), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -140,6 +182,7 @@ def run_workers_outcomes(
         missing = sorted(set(range(world_size)) - set(results))
         raise TimeoutError(
             f"ranks {missing} did not finish within {timeout}s; finished: {results}"
+            + _stacks(procs, missing, stacks_dir)
         ) from e
     finally:
         for p in procs:
@@ -148,7 +191,25 @@ def run_workers_outcomes(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
+
+
+def _stacks(procs: list[Any], ranks: list[int], stacks_dir: str) -> str:
+    """Every thread's stack of each unfinished rank, dumped on request (SIGUSR1)."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)  # faulthandler writes from the signal handler, at once
+    out = []
+    for r in ranks:
+        try:
+            with open(os.path.join(stacks_dir, f"rank{r}.txt")) as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        out.append(f"\n--- rank {r} stacks:\n{text[-6000:] or '(none written)'}")
+    return "".join(out)
 
 
 def run_workers(

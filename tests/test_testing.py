@@ -52,5 +52,10 @@ def test_unpicklable_result_is_an_error() -> None:
 
 
 def test_hang_becomes_timeout() -> None:
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s") as e:
         run_workers_outcomes(_hang_on_rank0, 2, timeout=3)
+    # Where each rank waits: its stack, dumped on the timeout.
+    msg = str(e.value)
+    rank0, rank1 = msg.split("--- rank 0 stacks:")[1].split("--- rank 1 stacks:")
+    assert "_hang_on_rank0" in rank0 and "barrier" in rank0, msg
+    assert "_hang_on_rank0" in rank1 and "barrier" not in rank1, msg
