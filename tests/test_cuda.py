@@ -19,6 +19,7 @@ has no CUDA kernels (the CPU wheel ``fbgemm-gpu-cpu`` has none).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -68,12 +69,22 @@ def no_sync() -> Iterator[None]:
 
 @contextlib.contextmanager
 def gloo_transport_exempt() -> Iterator[None]:
-    """Gloo's own host staging of CUDA tensors is allowed to synchronise."""
+    """Gloo's own host staging of CUDA tensors is allowed to synchronise.
+
+    Only on the calling thread: the debug mode is process-wide, and phase 1's
+    all-gather (host metadata) runs on the shuffler's background thread. An
+    exemption there saved "error" as the mode to restore and put it back after
+    this thread had left :func:`no_sync`, so the next forward raised (seen on
+    an H200).
+    """
     saved = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single", "all_gather_into_tensor")
              if hasattr(dist, n)}
+    caller = threading.get_ident()
 
     def exempt(real: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
+            if threading.get_ident() != caller:
+                return real(*a, **k)
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             try:
