@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(script: str, tmp_path: Path, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
     out = tmp_path / f"{script}.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--json-out", str(out),
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
