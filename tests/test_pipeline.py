@@ -82,7 +82,12 @@ ARGS = ["--batch-size", "16", "--max-seqlen", "48", "--dim", "16", "--num-layers
 class _CPUPrefetch(BalancedPrefetchTrainPipelineSparseDist):
     """Emulates TorchRec's prefetch stage without streams (it returns early on CPU)."""
 
-    def _prefetch(self, context: Any) -> None:
+    def _prefetch(self, arg: Any) -> None:
+        # TorchRec 1.8 passes the batch's context; 1.6 passes the batch (None:
+        # nothing to prefetch) and keeps the context on the pipeline.
+        if arg is None:
+            return
+        context = arg if hasattr(arg, "module_input_post_prefetch") else self._context
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         for module in self._pipelined_modules:
