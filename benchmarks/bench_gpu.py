@@ -231,6 +231,9 @@ def online_line(on: dict[str, Any]) -> str:
     if on["fitted_from_step"] is None:
         return f"    on:online straggler by step: {steps} (too few observations to fit)"
     m = on["model"]
+    if m is None:  # the last fit found no per-sample term: the FLOPs model partitions, as in the shuffler
+        return (f"    on:online straggler by step: {steps}; fitted from step {on['fitted_from_step']}, median since "
+                f"{on['straggler_fitted']:.3f}; last fit: per-rank constant only (back to the FLOPs model)")
     return (f"    on:online straggler by step: {steps}; fitted from step {on['fitted_from_step']}, median since "
             f"{on['straggler_fitted']:.3f}; model {m['alpha']:.3g} w + {m['beta']:.3g} L^2 + {m['gamma']:.3g} L "
             f"+ {m['delta']:.3g} s (rel. error {m['rel_error']:.3f})")
