@@ -7,6 +7,7 @@
 # On a GPU machine, from the repository root:
 #   bash scripts/gpu_checks.sh [OUT_DIR]          # default: $OUT, else bench_out/gpu_checks
 # Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench suite example"
+# The suite step's marker expression: SUITE_MARK, e.g. SUITE_MARK="not cuda" when cuda_tier runs beside it.
 #
 # A GPU machine with torch but no package index (the image this project's
 # device runs use): prepare the bundle here first, then copy .gpu/ along:
@@ -33,11 +34,20 @@ mkdir -p "$out"
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
 if [ -f .gpu/site.tar.xz ]; then
-  mkdir -p /tmp/site
-  tar xJf .gpu/site.tar.xz -C /tmp/site
-  for whl in .gpu/extra/*.whl; do
-    [ -f "$whl" ] && "$py" -m zipfile -e "$whl" /tmp/site
-  done
+  # Unpacked once per machine, so that several invocations (steps run side by
+  # side) never extract over each other's imports.
+  if [ ! -f /tmp/site/.balancer_unpacked ]; then
+    mkdir -p /tmp/site
+    tar xJf .gpu/site.tar.xz -C /tmp/site
+    # pytest's wheels only where the image has no pytest: a newer pytest
+    # first on the path would meet the image's own plugins.
+    if ! "$py" -c "import pytest" 2>/dev/null; then
+      for whl in .gpu/extra/*.whl; do
+        [ -f "$whl" ] && "$py" -m zipfile -e "$whl" /tmp/site
+      done
+    fi
+    touch /tmp/site/.balancer_unpacked
+  fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 all_steps="env kernels cuda_tier bench_quick bench suite example"
@@ -97,14 +107,16 @@ if want bench; then
   run_step bench "$py" benchmarks/bench_gpu.py --device cuda --json-out "$out/gpu.jsonl" "${plot[@]}"
 fi
 if want suite; then
-  run_step suite "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/suite.xml"
+  run_step suite "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/suite.xml" --durations=15 \
+    ${SUITE_MARK:+-m "$SUITE_MARK"}
 fi
 if want example; then
-  # The bundle has no fused (TBE) embedding kernels: TorchRec's dense kernel there.
-  kernel=fused
-  [ -f .gpu/site.tar.xz ] && kernel=dense
-  run_step example "$py" -m torch.distributed.run --nproc_per_node=1 examples/train_hstu.py \
-    --enable-balanced-shuffler --embedding-kernel "$kernel"
+  # The bundle has no TBE kernels, which TorchRec's fused and dense embedding
+  # kernels both call (dense: fbgemm.dense_embedding_codegen_lookup_function,
+  # seen missing on an H200): there, plain torch embeddings and the BalancedLoader.
+  mode=(--enable-balanced-shuffler --embedding-kernel fused)
+  [ -f .gpu/site.tar.xz ] && mode=(--balanced-loader --embedding-kernel torch)
+  run_step example "$py" -m torch.distributed.run --nproc_per_node=1 examples/train_hstu.py "${mode[@]}"
 fi
 
 if [ "${#failed[@]}" -gt 0 ]; then
