@@ -174,9 +174,7 @@ def run_workers_outcomes(
     results: dict[int, Any] = {}
     timed_out = False
     try:
-        for _ in range(world_size):
-            rank, out = q.get(timeout=timeout)
-            results[rank] = out
+        _collect(q, procs, results, timeout, stacks_dir)
     except queue.Empty as e:
         timed_out = True
         missing = sorted(set(range(world_size)) - set(results))
@@ -193,6 +191,58 @@ def run_workers_outcomes(
                 p.join()
         shutil.rmtree(stacks_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
+
+
+_DEAD_GRACE_S = 10.0  # how long the other ranks may take to fail once one rank has died
+
+
+def _collect(q: Any, procs: list[Any], results: dict[int, Any], timeout: float, stacks_dir: str) -> None:
+    """Fill ``results`` from the queue until every rank has reported.
+
+    A rank that exits without a result (it died unpickling its function, was
+    killed, ...) is a :class:`WorkerError` at once, not a wait for the
+    timeout; the ranks still running then get ``_DEAD_GRACE_S`` to fail on
+    their own (a collective with a dead peer), after which they are reported
+    with their stacks.
+
+    Raises:
+        queue.Empty: when ``timeout`` passes with ranks neither finished nor dead.
+    """
+    deadline = time.monotonic() + timeout
+    grace_end: float | None = None
+    while len(results) < len(procs):
+        now = time.monotonic()
+        limit = deadline if grace_end is None else min(deadline, grace_end)
+        if now >= limit:
+            if grace_end is None or deadline <= grace_end:
+                raise queue.Empty
+            alive = [r for r in range(len(procs)) if r not in results]
+            text = _stacks(procs, alive, stacks_dir)
+            for r in alive:
+                results[r] = WorkerError(r, "WorkerAbandoned", f"still running {_DEAD_GRACE_S:.0f}s after "
+                                         "another rank died without a result", text)
+            return
+        try:
+            rank, out = q.get(timeout=min(0.5, limit - now))
+            results[rank] = out
+            continue
+        except queue.Empty:
+            pass
+        for r, p in enumerate(procs):
+            if r not in results and p.exitcode is not None:
+                try:  # a rank that reported just before exiting: its result is in the pipe
+                    while True:
+                        rank, out = q.get(timeout=1.0)
+                        results[rank] = out
+                except queue.Empty:
+                    pass
+                if r not in results:
+                    results[r] = WorkerError(
+                        r, "WorkerDied", f"rank {r} exited with code {p.exitcode} without a result "
+                        "(it died starting up, e.g. unpickling its function, or was killed; its stderr "
+                        "has the reason)", "")
+                    if grace_end is None:
+                        grace_end = time.monotonic() + _DEAD_GRACE_S
 
 
 def _stacks(procs: list[Any], ranks: list[int], stacks_dir: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -59,3 +60,22 @@ def test_hang_becomes_timeout() -> None:
     rank0, rank1 = msg.split("--- rank 0 stacks:")[1].split("--- rank 1 stacks:")
     assert "_hang_on_rank0" in rank0 and "barrier" in rank0, msg
     assert "_hang_on_rank0" in rank1 and "barrier" not in rank1, msg
+
+
+def _exit_on_rank1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)  # dies without a result, as a worker that fails to unpickle its function
+    dist.barrier()  # rank 0 waits for the dead peer
+    return rank
+
+
+def test_a_dead_rank_is_reported_at_once_not_at_the_timeout() -> None:
+    t0 = time.monotonic()
+    outs = run_workers_outcomes(_exit_on_rank1, 2, timeout=120)
+    assert time.monotonic() - t0 < 60  # the dead rank is seen, not waited for until the timeout
+    assert isinstance(outs[1], WorkerError) and outs[1].type_name == "WorkerDied", outs
+    assert "exited with code 3 without a result" in outs[1].message, outs
+    # Rank 0 fails on its own (its peer closed the connection) or is given up on with its stack.
+    assert isinstance(outs[0], WorkerError), outs
+    if outs[0].type_name == "WorkerAbandoned":
+        assert "_exit_on_rank1" in outs[0].traceback, outs
