@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -337,6 +338,20 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             stream.wait_stream(self._memcpy_stream)
 
 
+def _prefetch_runs_on_contexts(cls: Any = PrefetchTrainPipelineSparseDist) -> bool:
+    """Whether TorchRec's prefetch pipeline drives batches through per-batch
+    contexts (``enqueue_batch`` / ``dequeue_batch``, ``_prefetch(context)``:
+    TorchRec 1.8), the hooks the balanced pipeline overrides. TorchRec 1.6's
+    runs its own loop (``_copy_batch_to_gpu``, ``_prefetch(batch)``)."""
+    return list(inspect.signature(cls._prefetch).parameters)[1:2] == ["context"]
+
+
+def _torchrec_version() -> str:
+    import torchrec  # the module itself: its distribution metadata can name another copy
+
+    return str(getattr(torchrec, "__version__", "(version unknown)"))
+
+
 class BalancedPrefetchTrainPipelineSparseDist(
     BalancedTrainPipelineSparseDist, PrefetchTrainPipelineSparseDist
 ):
@@ -352,7 +367,21 @@ class BalancedPrefetchTrainPipelineSparseDist(
     forward's end to the end of the step's compute (the next input dist or
     the dequeue): the cache prefetch of batch ``i+1`` on its own stream, the
     backward and the optimizer step.
+
+    Raises:
+        RuntimeError: with a TorchRec whose prefetch pipeline runs its own loop
+            (TorchRec 1.6), where the hooks above are never called.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not _prefetch_runs_on_contexts():
+            raise RuntimeError(
+                "BalancedPrefetchTrainPipelineSparseDist needs TorchRec's context-based prefetch pipeline "
+                f"(TorchRec 1.8: _prefetch(context)); torchrec {_torchrec_version()} has "
+                "_prefetch(batch) and its own progress loop, which never calls the hooks that balance "
+                "the batches. Use BalancedTrainPipelineSparseDist, or upgrade TorchRec"
+            )
+        super().__init__(*args, **kwargs)
 
     def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
         """Close the timed backward span (TorchRec's prefetch step runs backward

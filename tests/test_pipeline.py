@@ -44,14 +44,20 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+import torchrec
+from torchrec.distributed.train_pipeline import (
+    PrefetchTrainPipelineSparseDist,
+    TrainPipelineSparseDist,
+)
 
+import balancer.pipeline
 from balancer.config import BalancerConfig
 from balancer.loss import global_loss_value
 from balancer.partition import balanced_partition, karmarkar_karp
 from balancer.pipeline import (
     BalancedPrefetchTrainPipelineSparseDist,
     BalancedTrainPipelineSparseDist,
+    _prefetch_runs_on_contexts,
     create_train_pipeline,
 )
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
@@ -206,15 +212,23 @@ def _assert_close(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return loss_rel, param_abs
 
 
+# TorchRec 1.6's prefetch pipeline runs its own loop: the balanced one refuses it.
+PREFETCH = _prefetch_runs_on_contexts()
+TORCHREC_VERSION = tuple(int(x) for x in torchrec.__version__.split(".")[:2])
+needs_context_prefetch = pytest.mark.skipif(
+    not PREFETCH, reason="this TorchRec's prefetch pipeline has no per-batch contexts (TorchRec 1.6)")
+
+
 def test_balanced_pipeline_matches_torchrec_loop_and_unbalanced() -> None:
-    outs = run_workers(_worker_modes, 2, list(MODES), timeout=300)
+    outs = run_workers(_worker_modes, 2, [m for m in MODES if PREFETCH or MODES[m][0] != "prefetch"], timeout=300)
     for rank, res in enumerate(outs):
         # Identity shuffler: bit-identical to plain TorchRec and to the loop.
         _assert_equal(res["off"], res["torchrec"])
         _assert_equal(res["off"], res["loop_off"])
         # Balanced: the pipelines train exactly like the balanced loop ...
         _assert_equal(res["on"], res["loop_on"])
-        _assert_equal(res["prefetch_on"], res["loop_on"])
+        if PREFETCH:
+            _assert_equal(res["prefetch_on"], res["loop_on"])
         _assert_equal(res["on_allgather"], res["loop_on"])
         # ... and like no balancing up to float32 summation order.
         loss_rel, param_abs = _assert_close(res["on"], res["off"])
@@ -355,9 +369,27 @@ def _timed_worker(rank: int, w: int, runner: str) -> list[float]:
     return reported
 
 
-@pytest.mark.parametrize("runner", ["pipeline", "prefetch"])
+@pytest.mark.parametrize("runner", ["pipeline", pytest.param("prefetch", marks=needs_context_prefetch)])
 def test_calibration_times_include_the_backward(runner: str) -> None:
     # TorchRec's prefetch step runs the backward itself, not through _backward:
     # the prefetch pipeline once reported the forward alone (~5 ms, not >= 0.2 s).
     for reported in run_workers(_timed_worker, 2, runner, timeout=300):
         assert len(reported) == 4 and min(reported) >= 0.2, reported
+
+
+class _LoopPrefetch:
+    """TorchRec 1.6's prefetch signature: ``_prefetch(batch)``."""
+
+    def _prefetch(self, batch: Any) -> None: ...
+
+
+def test_prefetch_pipeline_without_contexts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not _prefetch_runs_on_contexts(_LoopPrefetch)
+    assert _prefetch_runs_on_contexts(PrefetchTrainPipelineSparseDist) == PREFETCH
+    assert (TORCHREC_VERSION >= (1, 8)) == PREFETCH, TORCHREC_VERSION  # the two releases we run: 1.6.1, 1.8.0
+    # What TorchRec 1.6 gets, before any TorchRec state is built:
+    monkeypatch.setattr(balancer.pipeline, "_prefetch_runs_on_contexts", lambda: False)
+    with pytest.raises(RuntimeError, match=r"needs TorchRec's context-based prefetch pipeline .* torchrec \d"):
+        BalancedPrefetchTrainPipelineSparseDist(
+            torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
+            IdentityBatchShuffler())
