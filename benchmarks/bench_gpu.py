@@ -54,6 +54,7 @@ from _e2e_common import sample_lengths  # noqa: E402
 from _gpu_common import (  # noqa: E402
     VOCAB,
     Dims,
+    Packed,
     RegionTimer,
     Transformer,
     count_syncs,
@@ -169,7 +170,8 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
             parts = assign(m, costs, world, a.kk_cost)
             packs = [pack(lengths[p], np.concatenate([ids[offsets[i]:offsets[i + 1]] for i in p]),
                           labels[p], device, backend == "loop") for p in parts]
-            rec[m] = {"times": fwd_bwd_times(model, packs, backend, timer),
+            times, spread = timed_ranks(model, packs, backend, timer, a.repeats)
+            rec[m] = {"times": times, "spread": spread,
                       "pred": {c: max_over_mean([float(v[p].sum()) for p in parts]) for c, v in costs.items()}}
             if m == "on:online" and online is not None and s >= 0:  # the warm-up step's times are not kept
                 online.observe(s, lengths, parts, rec[m]["times"])
@@ -186,6 +188,22 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         on["straggler_fitted"] = statistics.median(after) if after else None
         on["model"] = None if online.model is None else dataclasses.asdict(online.model)
     return res
+
+
+def timed_ranks(model: Transformer, packs: list[Packed], backend: str, timer: RegionTimer,
+                repeats: int) -> tuple[list[float], list[float]]:
+    """Each rank's forward + backward seconds, the median of ``repeats`` timings
+    (all ranks once per round, so drifts hit every rank alike), and each rank's
+    spread (max - min) / median over the rounds (0 with one round).
+
+    One timing per rank makes the step's max over W ranks biased upward by
+    timing noise alone; the spread says how much of a residual straggler
+    that can be."""
+    rounds = [fwd_bwd_times(model, packs, backend, timer) for _ in range(repeats)]
+    times = [statistics.median(col) for col in zip(*rounds, strict=True)]
+    spread = [(max(col) - min(col)) / t if t > 0 else 0.0 for col, t in zip(zip(*rounds, strict=True), times,
+                                                                          strict=True)]
+    return times, spread
 
 
 def flops_coefficients(a: argparse.Namespace) -> tuple[float, float, float]:
@@ -209,6 +227,7 @@ def summarize(steps: list[dict[str, Any]], modes: list[str], kk_cost: str, base_
             "predicted_by": own,
             "predicted_straggler_by_cost": {c: med(st[m]["pred"][c] for st in steps) for c in steps[0][m]["pred"]},
             "rank_ms_first_step": [1e3 * x for x in t[0]],
+            "timing_spread": med(x for st in steps for x in st[m]["spread"]),
         }
     for m in modes:
         res[m]["speedup"] = res["off"]["step_ms"] / res[m]["step_ms"]
@@ -274,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the lengths")
     p.add_argument("--steps", type=int, default=8, help="measured global batches per configuration")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timings of each rank per step (median kept; >1 also reports the timing spread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: cuda if available (cpu with --quick)")
@@ -294,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", default="", metavar="PATH", help="write a speedup bar plot (matplotlib)")
     p.add_argument("--quick", action="store_true", help="toy size (CPU unless --device cuda), < 1 min")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: expected >= 1")
     if a.quick:
         a.world_sizes, a.batch_sizes, a.max_len, a.steps = [2, 4], [4, 8], 256, 3
         a.hidden, a.heads, a.layers, a.calib_tokens = 32, 2, 1, 512
@@ -352,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 print("\n".join(format_rows(world, b, res, list(coeffs))), flush=True)
+                if a.repeats > 1:
+                    spreads = " ".join(f"{m} {100 * r['timing_spread']:.1f}%" for m, r in res.items())
+                    print(f"    timing spread (max-min)/median over {a.repeats} repeats, median: {spreads}")
                 if "on:online" in res:
                     print(online_line(res["on:online"]), flush=True)
         if not a.no_shuffle:

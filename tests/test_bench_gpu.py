@@ -19,7 +19,7 @@ ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib|on:online) \|(.*)$
 
 def test_bench_gpu_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "gpu.jsonl", tmp_path / "gpu.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--json-out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--repeats", "2", "--json-out", str(out)]
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     if has_mpl:
         cmd += ["--plot", str(png)]
@@ -33,6 +33,7 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
     assert {(int(w), int(b), m) for w, b, m, _ in rows} == {
         (w, b, m) for w in (2, 4) for b in (4, 8) for m in MODES}, tail
     assert "pred flops" in proc.stdout and "pred calib" in proc.stdout
+    assert len(re.findall(r"timing spread \(max-min\)/median over 2 repeats", proc.stdout)) == 4, tail
     for mode in ("none", "fenced", "side"):
         assert re.search(rf"^ *{mode} \| +[\d.]+", proc.stdout, re.M), tail
 
@@ -53,6 +54,7 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
                 assert math.isfinite(v[key]) and v[key] > 0, (m, key)
             assert v["straggler"] >= 1.0 and v["predicted_straggler"] >= 1.0
             assert len(v["rank_ms_first_step"]) == r["world"]
+            assert math.isfinite(v["timing_spread"]) and v["timing_spread"] >= 0, (m, v["timing_spread"])
         off = r["modes"]["off"]
         assert off["speedup"] == 1.0 and off["ideal_speedup"] == 1.0
         # Balancing never raises the straggler its own cost model predicts.
