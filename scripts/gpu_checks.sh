@@ -6,8 +6,9 @@
 #
 # On a GPU machine, from the repository root:
 #   bash scripts/gpu_checks.sh [OUT_DIR]          # default: $OUT, else bench_out/gpu_checks
-# Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench suite example"
-# The suite step's marker expression: SUITE_MARK, e.g. SUITE_MARK="not cuda" when cuda_tier runs beside it.
+# Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench bench_large suite example"
+# The suite step: SUITE_MARK (marker expression, e.g. "not cuda" when cuda_tier runs beside it),
+# SUITE_WORKERS (pytest-xdist workers), SUITE_TEST_TIMEOUT (seconds per test, with pytest-timeout).
 #
 # A GPU machine with torch but no package index (the image this project's
 # device runs use): prepare the bundle here first, then copy .gpu/ along:
@@ -50,7 +51,7 @@ if [ -f .gpu/site.tar.xz ]; then
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-all_steps="env kernels cuda_tier bench_quick bench suite example"
+all_steps="env kernels cuda_tier bench_quick bench bench_large suite example"
 steps=${GPU_CHECKS:-$all_steps}
 for s in $steps; do
   case " $all_steps " in *" $s "*) ;; *) echo "GPU_CHECKS: unknown step '$s', expected some of: $all_steps"; exit 2 ;; esac
@@ -106,9 +107,22 @@ if want bench; then
   "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/gpu_speedup.png")
   run_step bench "$py" benchmarks/bench_gpu.py --device cuda --json-out "$out/gpu.jsonl" "${plot[@]}"
 fi
+if want bench_large; then
+  # Compute-bound ranks (the default model is launch-bound on an H100/H200), each
+  # rank timed 3 times per step: the timing spread bounds what noise adds to
+  # the residual straggler.
+  run_step bench_large "$py" benchmarks/bench_gpu.py --device cuda --hidden 1024 --heads 8 --layers 4 \
+    --max-len 8192 --world-sizes 8 16 --batch-sizes 32 --steps 12 --repeats 3 --no-shuffle \
+    --json-out "$out/gpu_large.jsonl"
+fi
 if want suite; then
+  extra=()
+  # A stalled test fails with every thread's stack (pytest-timeout) instead of
+  # eating the device time; SUITE_WORKERS=N runs N in parallel (pytest-xdist).
+  "$py" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${SUITE_TEST_TIMEOUT:-240}")
+  [ -n "${SUITE_WORKERS:-}" ] && "$py" -c "import xdist" 2>/dev/null && extra+=(-n "$SUITE_WORKERS")
   run_step suite "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/suite.xml" --durations=15 \
-    ${SUITE_MARK:+-m "$SUITE_MARK"}
+    ${SUITE_MARK:+-m "$SUITE_MARK"} "${extra[@]}"
 fi
 if want example; then
   # The bundle has no TBE kernels, which TorchRec's fused and dense embedding
