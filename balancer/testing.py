@@ -228,29 +228,32 @@ def _collect(q: Any, procs: list[Any], results: dict[int, Any], timeout: float, 
             continue
         except queue.Empty:
             pass
-        for r, p in enumerate(procs):
-            if r not in results and p.exitcode is not None:
-                try:  # a rank that reported just before exiting: its result is in the pipe
-                    while True:
-                        rank, out = q.get(timeout=1.0)
-                        results[rank] = out
-                except queue.Empty:
-                    pass
-                if r not in results:
-                    results[r] = WorkerError(
-                        r, "WorkerDied", f"rank {r} exited with code {p.exitcode} without a result "
-                        "(it died starting up, e.g. unpickling its function, or was killed; its stderr "
-                        "has the reason)", "")
-                    if grace_end is None:
-                        grace_end = time.monotonic() + _DEAD_GRACE_S
+        exited = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+        if not exited:
+            continue
+        try:  # a rank that reported just before exiting: its result is in the pipe
+            while True:
+                rank, out = q.get(timeout=1.0)
+                results[rank] = out
+        except queue.Empty:
+            pass
+        for r in exited:
+            if r not in results:
+                results[r] = WorkerError(
+                    r, "WorkerDied", f"rank {r} exited with code {procs[r].exitcode} without a result "
+                    "(it died starting up, e.g. unpickling its function, or was killed; its stderr "
+                    "has the reason)", "")
+                if grace_end is None:
+                    grace_end = time.monotonic() + _DEAD_GRACE_S
 
 
 def _stacks(procs: list[Any], ranks: list[int], stacks_dir: str) -> str:
     """Every thread's stack of each unfinished rank, dumped on request (SIGUSR1)."""
-    for r in ranks:
-        if procs[r].is_alive():
-            os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(1.0)  # faulthandler writes from the signal handler, at once
+    signalled = [r for r in ranks if procs[r].is_alive()]
+    for r in signalled:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    if signalled:
+        time.sleep(1.0)  # faulthandler writes from the signal handler, at once
     out = []
     for r in ranks:
         try:
