@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torchrec
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 from torchrec.distributed.train_pipeline import (
@@ -346,12 +347,6 @@ def _prefetch_runs_on_contexts(cls: Any = PrefetchTrainPipelineSparseDist) -> bo
     return list(inspect.signature(cls._prefetch).parameters)[1:2] == ["context"]
 
 
-def _torchrec_version() -> str:
-    import torchrec  # the module itself: its distribution metadata can name another copy
-
-    return str(getattr(torchrec, "__version__", "(version unknown)"))
-
-
 class BalancedPrefetchTrainPipelineSparseDist(
     BalancedTrainPipelineSparseDist, PrefetchTrainPipelineSparseDist
 ):
@@ -377,7 +372,7 @@ class BalancedPrefetchTrainPipelineSparseDist(
         if not _prefetch_runs_on_contexts():
             raise RuntimeError(
                 "BalancedPrefetchTrainPipelineSparseDist needs TorchRec's context-based prefetch pipeline "
-                f"(TorchRec 1.8: _prefetch(context)); torchrec {_torchrec_version()} has "
+                f"(TorchRec 1.8: _prefetch(context)); torchrec {torchrec.__version__} has "
                 "_prefetch(batch) and its own progress loop, which never calls the hooks that balance "
                 "the batches. Use BalancedTrainPipelineSparseDist, or upgrade TorchRec"
             )
