@@ -199,10 +199,9 @@ def timed_ranks(model: Transformer, packs: list[Packed], backend: str, timer: Re
     One timing per rank makes the step's max over W ranks biased upward by
     timing noise alone; the spread says how much of a residual straggler
     that can be."""
-    rounds = [fwd_bwd_times(model, packs, backend, timer) for _ in range(repeats)]
-    times = [statistics.median(col) for col in zip(*rounds, strict=True)]
-    spread = [(max(col) - min(col)) / t if t > 0 else 0.0 for col, t in zip(zip(*rounds, strict=True), times,
-                                                                          strict=True)]
+    per_rank = list(zip(*(fwd_bwd_times(model, packs, backend, timer) for _ in range(repeats)), strict=True))
+    times = [statistics.median(col) for col in per_rank]
+    spread = [(max(col) - min(col)) / t if t > 0 else 0.0 for col, t in zip(per_rank, times, strict=True)]
     return times, spread
 
 
