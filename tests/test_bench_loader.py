@@ -10,11 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-
 from balancer.testing import run_workers
-from tests.test_example import _tbe_missing
+from tests.tbe import skip_without_tbe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,8 +27,7 @@ def _worker(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 
 def test_bench_loader_quick() -> None:
-    if torch.cuda.is_available() and _tbe_missing():
-        pytest.skip(f"FBGEMM's TBE embedding kernels are missing on this CUDA host: {_tbe_missing()}")
+    skip_without_tbe("bench_loader's sharded model")
     rows, _ = run_workers(_worker, 2, timeout=180)
     assert [r["mode"] for r in rows] == ["loop", "loader/a0", "loader/a1", "loader/a2", "shuffler"]
     for r in rows:

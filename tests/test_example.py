@@ -11,7 +11,6 @@ kernel and always runs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import io
 import os
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from balancer.testing import free_port, run_workers
+from tests.tbe import skip_without_tbe
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "4", "--batch-size", "8", "--max-seqlen", "64", "--dim", "16"]
@@ -32,36 +32,6 @@ SUMMARY = re.compile(r"^summary: mode=(\w+) .*?steps=(\d+) .*imbalance_before=([
                      r"imbalance_after=([\d.]+) final_loss=([\d.]+)$", re.M)
 SPEEDUP = re.compile(r"^speedup: [\d.]+x step time, [\d.]+x slowest-rank compute \((\w+) / (\w+)\); "
                      r"imbalance ([\d.]+) -> ([\d.]+)$", re.M)
-
-
-@functools.lru_cache(maxsize=1)
-def _tbe_missing() -> str | None:
-    """Why FBGEMM's fused TBE kernels (the example's default) cannot run here, or None."""
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            EmbeddingLocation,
-            PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(8, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_SGD,
-            pooling_mode=PoolingMode.NONE)
-        tbe(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])).sum().backward()
-    except Exception as e:  # noqa: BLE001 - the reason goes into the skip message
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _skip_without_tbe() -> None:
-    reason = _tbe_missing() if torch.cuda.is_available() else None
-    if reason is not None:
-        pytest.skip("FBGEMM's TBE embedding kernels are missing on this CUDA host, and the example's default "
-                    f"--embedding-kernel fused needs them ({reason}); see docs/gpu.md")
 
 
 def _example() -> Any:
@@ -88,7 +58,7 @@ def _worker(rank: int, world_size: int, argv: list[str]) -> tuple[str, dict[str,
                          ids=["shuffler", "loader", "loader-torch-kernel"])
 def test_both_modes_lower_the_imbalance_and_report_the_speedup(argv: list[str]) -> None:
     if "torch" not in argv:
-        _skip_without_tbe()
+        skip_without_tbe("the example's default --embedding-kernel fused")
     (text, logs), (text1, _) = run_workers(_worker, 2, argv + SMALL, timeout=180)
     assert text1 == "", "only rank 0 prints"
     base, balanced = ("loop", "loader") if "--balanced-loader" in argv else ("pipeline", "shuffler")
@@ -108,7 +78,7 @@ def test_both_modes_lower_the_imbalance_and_report_the_speedup(argv: list[str]) 
 
 
 def test_group_size_on_four_ranks_balances_within_groups() -> None:
-    _skip_without_tbe()
+    skip_without_tbe("the example's default --embedding-kernel fused")
     outs = run_workers(_worker, 4, ["--enable-balanced-shuffler", "--group-size", "2"] + SMALL, timeout=180)
     text, logs = outs[0]
     summaries = {m[1]: m for m in SUMMARY.finditer(text)}
@@ -121,7 +91,7 @@ def test_group_size_on_four_ranks_balances_within_groups() -> None:
 
 
 def test_readme_command_under_torchrun_prints_no_known_library_warnings() -> None:
-    _skip_without_tbe()
+    skip_without_tbe("the example's default --embedding-kernel fused")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(ROOT / "examples" / "train_hstu.py"),
            "--enable-balanced-shuffler", "--cpu", *SMALL]

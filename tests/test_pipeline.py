@@ -63,6 +63,7 @@ from balancer.pipeline import (
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler
 from balancer.testing import run_workers
 from balancer.workloads import TokenCount
+from tests.tbe import skip_without_tbe
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from synthetic_data import ITEM_FEATURE, SyntheticHSTUData  # noqa: E402
@@ -220,6 +221,7 @@ needs_context_prefetch = pytest.mark.skipif(
 
 
 def test_balanced_pipeline_matches_torchrec_loop_and_unbalanced() -> None:
+    skip_without_tbe("the example's sharded model")
     outs = run_workers(_worker_modes, 2, [m for m in MODES if PREFETCH or MODES[m][0] != "prefetch"], timeout=300)
     for rank, res in enumerate(outs):
         # Identity shuffler: bit-identical to plain TorchRec and to the loop.
@@ -279,6 +281,7 @@ def _worker_order(rank: int, world: int) -> list[str]:
 
 
 def test_hook_order() -> None:
+    skip_without_tbe("the example's sharded model")
     """Phase 1 of batch i+2 before the forward of batch i, phase 2 right after it."""
     events = run_workers(_worker_order, 2, timeout=300)[0]
     phase1 = [e for e in events if e.startswith("phase1")]
@@ -299,6 +302,7 @@ def _worker_late_enqueue(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_enqueue_after_forward_still_shuffles_before_input_dist() -> None:
+    skip_without_tbe("the example's sharded model")
     """With ``enqueue_batch_after_forward`` phase 1 runs after the forward; the
     shuffle is then finished by ``start_sparse_data_dist``: same training."""
     for late, loop in run_workers(_worker_late_enqueue, 2, timeout=300):
@@ -371,6 +375,7 @@ def _timed_worker(rank: int, w: int, runner: str) -> list[float]:
 
 @pytest.mark.parametrize("runner", ["pipeline", pytest.param("prefetch", marks=needs_context_prefetch)])
 def test_calibration_times_include_the_backward(runner: str) -> None:
+    skip_without_tbe("the example's sharded model")
     # TorchRec's prefetch step runs the backward itself, not through _backward:
     # the prefetch pipeline once reported the forward alone (~5 ms, not >= 0.2 s).
     for reported in run_workers(_timed_worker, 2, runner, timeout=300):
