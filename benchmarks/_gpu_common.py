@@ -25,6 +25,7 @@ import inspect
 import os
 import platform
 import subprocess
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from time import perf_counter
@@ -216,19 +217,34 @@ def _check_varlen(device: torch.device, dims: Dims) -> str | None:
 
 
 @contextlib.contextmanager
-def count_syncs(counts: list[int], i: int, on: bool) -> Iterator[None]:
-    """Add to ``counts[i]`` the synchronising CUDA calls made inside (calling thread)."""
+def count_syncs(counts: list[int], i: int, on: bool, elsewhere: list[int] | None = None) -> Iterator[None]:
+    """Add to ``counts[i]`` the synchronising CUDA calls the calling thread makes
+    inside; to ``elsewhere[i]`` those other threads make meanwhile.
+
+    The sync debug mode is process-wide: another thread's wait (the shuffler's
+    partition thread waits on an event by design) warns too, and only blocks
+    that thread. Each warning is attributed to the thread that raised it.
+    """
     if not on:
         yield
         return
-    with warnings.catch_warnings(record=True) as seen:
+    me, seen = threading.get_ident(), []
+
+    def record(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" in str(message):
+            seen.append(threading.get_ident() == me)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    counts[i] += sum("synchroniz" in str(w.message) for w in seen)
+    counts[i] += sum(seen)
+    if elsewhere is not None:
+        elsewhere[i] += len(seen) - sum(seen)
 
 
 class RegionTimer:

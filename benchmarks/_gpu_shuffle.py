@@ -19,8 +19,10 @@ Step time = wall time of ``steps`` steps between two device syncs, over
 all-reduce: with gloo on CUDA tensors it would swamp what is measured).
 Host-blocked time = wall time inside the two shuffle calls per step. On CUDA
 an untimed pass counts the synchronising calls the two calls make on the
-calling thread (``torch.cuda.set_sync_debug_mode("warn")``); syncs inside
-gloo's own threads are not seen. On CPU the side stream is a no-op context.
+calling thread (``torch.cuda.set_sync_debug_mode("warn")``), and apart from
+them those other Python threads make meanwhile (the partition thread's wait
+for the workloads' copy; it blocks that thread only); syncs inside gloo's own
+C++ threads are not seen. On CPU the side stream is a no-op context.
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ class _Runner:
         self.stats: list[tuple[float, float, int]] = []
 
     def _phase(self, mode: str, fn: Callable[..., Any], args: tuple[Any, ...],
-               syncs: list[int], i: int, count: bool) -> tuple[Any, float]:
+               syncs: list[int], other: list[int], i: int, count: bool) -> tuple[Any, float]:
         fenced = mode == "fenced" and self.side is not None
         if fenced:
             self.side.wait_stream(self.main)  # type: ignore[union-attr, arg-type]
         ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
         t0 = perf_counter()
-        with ctx, count_syncs(syncs, i, count):
+        with ctx, count_syncs(syncs, i, count, other):
             out = fn(*args)
         dt = perf_counter() - t0
         if fenced:
@@ -81,18 +83,19 @@ class _Runner:
         return out, dt
 
     def run(self, mode: str, steps: int, count: bool = False,
-            check: bool = False) -> tuple[list[float], list[int], bool]:
-        """``steps`` steps; (host-blocked seconds per step, syncs [phase 1, phase 2],
-        whether every pipelined shuffle gave the batch balanced beforehand)."""
-        cur, blocked, syncs, same = self.balanced[0], [], [0, 0], True
+            check: bool = False) -> tuple[list[float], list[int], list[int], bool]:
+        """``steps`` steps; (host-blocked seconds per step, syncs [phase 1, phase 2]
+        of the calling thread, of other threads meanwhile, whether every pipelined
+        shuffle gave the batch balanced beforehand)."""
+        cur, blocked, syncs, other, same = self.balanced[0], [], [0, 0], [0, 0], True
         for s in range(steps):
             nxt, t_blk = self.balanced[s + 1], 0.0
             if mode != "none":
-                h, dt = self._phase(mode, self.shuffler.start_shuffle_async, (self.raw[s + 1],), syncs, 0, count)
+                h, dt = self._phase(mode, self.shuffler.start_shuffle_async, (self.raw[s + 1],), syncs, other, 0, count)
                 t_blk += dt
             loss = self.model(pack_batch(cur, self.backend), self.backend)
             if mode != "none":
-                nxt, dt = self._phase(mode, self.shuffler.finish_shuffle, (self.raw[s + 1], h), syncs, 1, count)
+                nxt, dt = self._phase(mode, self.shuffler.finish_shuffle, (self.raw[s + 1], h), syncs, other, 1, count)
                 t_blk += dt
                 st = h.stats
                 self.stats.append((st.imbalance_before, st.imbalance_after, st.bytes_sent))
@@ -109,7 +112,7 @@ class _Runner:
                     nxt.features.values(), want.values())
             blocked.append(t_blk)
             cur = nxt
-        return blocked, syncs, same
+        return blocked, syncs, other, same
 
 
 def _sync(device: torch.device) -> None:
@@ -127,13 +130,14 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     shuffler = BatchShuffler(PolynomialCost(["seq"], *cfg["cost"]))
     steps = cfg["steps"]
     out: dict[str, Any] = {"step_s": {m: [] for m in MODES}, "blocked_s": {m: [] for m in MODES},
-                           "syncs": {}, "matches": True}
+                           "syncs": {}, "syncs_elsewhere": {}, "matches": True}
     try:
         raw = [_batch(cfg, s, rank, world, device) for s in range(steps + 1)]
         runner = _Runner(model, cfg["backend"], shuffler, raw, [shuffler.shuffle(b) for b in raw], device)
         for m in MODES:  # untimed: warm-up, sync count, and the pipelined result checked
-            _, syncs, same = runner.run(m, min(2, steps), count=device.type == "cuda", check=True)
+            _, syncs, other, same = runner.run(m, min(2, steps), count=device.type == "cuda", check=True)
             out["syncs"][m] = syncs if device.type == "cuda" else None
+            out["syncs_elsewhere"][m] = other if device.type == "cuda" else None
             out["matches"] &= same
         runner.stats.clear()
         for rep in range(cfg["reps"]):
@@ -141,7 +145,7 @@ def worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 dist.barrier()
                 _sync(device)
                 t0 = perf_counter()
-                blocked, _, _ = runner.run(m, steps)
+                blocked, _, _, _ = runner.run(m, steps)
                 _sync(device)
                 out["step_s"][m].append((perf_counter() - t0) / steps)
                 out["blocked_s"][m].append(statistics.median(blocked))
@@ -164,6 +168,8 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, 
             max(r["blocked_s"][m][i] for r in per_rank) for i in range(reps))
         syncs = per_rank[0]["syncs"][m]
         res[f"{m}_syncs_per_step"] = None if syncs is None else [c / min(2, cfg["steps"]) for c in syncs]
+        other = per_rank[0]["syncs_elsewhere"][m]
+        res[f"{m}_other_thread_syncs_per_step"] = None if other is None else [c / min(2, cfg["steps"]) for c in other]
     for m in MODES[1:]:
         res[f"{m}_overhead"] = res[f"{m}_step_ms"] / res["none_step_ms"] - 1
     res["shuffle_matches"] = all(r["matches"] for r in per_rank)
@@ -176,11 +182,13 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"shuffle cost: 2 gloo ranks on {r['device']}, B={r['batch_size']}, {r['steps']} steps x "
              f"{r['reps']} reps; est. max/mean {r['imbalance_before']:.3f} -> {r['imbalance_after']:.3f}, "
              f"{r['bytes_sent'] / 1024:.1f} KiB sent/rank/step",
-             f"{'mode':>8} | {'step ms':>8} {'overhead':>8} | {'host-blocked ms':>15} | {'syncs/step ph1 ph2':>18}"]
+             f"{'mode':>8} | {'step ms':>8} {'overhead':>8} | {'host-blocked ms':>15} | {'syncs/step ph1 ph2':>18} | {'other threads':>13}"]
     for m in MODES:
         over = f"{100 * r[m + '_overhead']:+7.2f}%" if m != "none" else f"{'-':>8}"
         s = r[f"{m}_syncs_per_step"]
         syncs = "n/a (CPU)" if s is None else f"{s[0]:.1f} {s[1]:.1f}"
-        lines.append(f"{m:>8} | {r[m + '_step_ms']:>8.2f} {over} | {r[m + '_blocked_ms']:>15.2f} | {syncs:>18}")
+        o = r[f"{m}_other_thread_syncs_per_step"]
+        other = "n/a (CPU)" if o is None else f"{o[0]:.1f} {o[1]:.1f}"
+        lines.append(f"{m:>8} | {r[m + '_step_ms']:>8.2f} {over} | {r[m + '_blocked_ms']:>15.2f} | {syncs:>18} | {other:>13}")
     lines.append(f"pipelined shuffle output == batch balanced beforehand: {r['shuffle_matches']}")
     return "\n".join(lines)

@@ -16,6 +16,11 @@ rotates every step so noise hits all alike:
   steps, starting from the FLOPs model; its straggler step by step shows the
   convergence.
 
+``--noise-floor`` adds a control: every rank runs the same ``B`` samples (the
+first part of the balanced partition), so its measured max/mean is what
+timing noise and the device alone give a perfectly balanced step; a residual
+straggler at that floor is not the cost model's.
+
 Each rank's forward + backward of a small transformer stack (bf16 on CUDA with
 packed varlen FlashAttention; float32 per-sample SDPA on CPU) is timed
 separately: CUDA events on a GPU, synchronising only between timed regions;
@@ -108,6 +113,9 @@ def assign(mode: str, costs: dict[str, np.ndarray], world: int, kk_cost: str) ->
         return list(np.arange(next(iter(costs.values())).size).reshape(world, -1))
     if mode == "kk":
         return [np.asarray(p) for p in karmarkar_karp(costs[kk_cost], world)]
+    if mode == "same":  # the noise-floor control: one balanced part on every rank
+        base = next(c for c in ("calib", "flops") if c in costs)
+        return [np.asarray(balanced_partition(costs[base], world)[0])] * world
     return [np.asarray(p) for p in balanced_partition(costs[mode.split(":")[1]], world)]
 
 
@@ -165,8 +173,9 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         if online is not None:
             costs["online"] = online.costs(lengths, s)
         rec: dict[str, Any] = {}
-        k = s % len(modes)
-        for m in modes[k:] + modes[:k]:
+        order = modes + (["same"] if a.noise_floor else [])
+        k = s % len(order)
+        for m in order[k:] + order[:k]:
             parts = assign(m, costs, world, a.kk_cost)
             packs = [pack(lengths[p], np.concatenate([ids[offsets[i]:offsets[i + 1]] for i in p]),
                           labels[p], device, backend == "loop") for p in parts]
@@ -187,6 +196,10 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         after = by_step[online.fitted_at:] if online.fitted_at is not None else []
         on["straggler_fitted"] = statistics.median(after) if after else None
         on["model"] = None if online.model is None else dataclasses.asdict(online.model)
+    if a.noise_floor:
+        by_step = [max_over_mean(st["same"]["times"]) for st in steps]
+        res["noise_floor"] = {"straggler": statistics.median(by_step), "straggler_by_step": by_step,
+                              "rank_ms": 1e3 * statistics.median(sum(st["same"]["times"]) / world for st in steps)}
     return res
 
 
@@ -294,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="measured global batches per configuration")
     p.add_argument("--repeats", type=int, default=1,
                    help="timings of each rank per step (median kept; >1 also reports the timing spread)")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also time every rank on the same samples (the straggler timing noise alone gives)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto: cuda if available (cpu with --quick)")
@@ -349,9 +364,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         fwd_bwd_times(model, [probe], backend, RegionTimer(device))
         with count_syncs(syncs, 0, True):
             model(probe, backend).backward()
+        # Again with the embedding table frozen: where the syncs come from.
+        model.emb.weight.requires_grad_(False)
+        frozen = [0]
+        with count_syncs(frozen, 0, True):
+            model(probe, backend).backward()
+        model.emb.weight.requires_grad_(True)
         model.zero_grad(set_to_none=True)
         meta["compute_syncs_per_fwd_bwd"] = syncs[0]
-        print(f"synchronising calls in one forward+backward: {syncs[0]}")
+        meta["compute_syncs_without_embedding_grad"] = frozen[0]
+        print(f"synchronising calls in one forward+backward: {syncs[0]} ({frozen[0]} with the embedding "
+              "table frozen: the rest come from nn.Embedding's backward)")
     if "flops" in a.costs or a.kk_cost == "flops":
         coeffs["flops"] = flops_coefficients(a)
     if "calib" in a.costs:
@@ -369,8 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for world in a.world_sizes:
             for b in a.batch_sizes:
                 res = run_config(model, backend, device, world, b, a, coeffs, modes)
+                floor = res.pop("noise_floor", None)
                 row = {"bench": "gpu_emulation", **env, **meta, "world": world, "batch_size": b,
-                       "steps": a.steps, "kk_cost": a.kk_cost, "modes": res}
+                       "steps": a.steps, "kk_cost": a.kk_cost, "repeats": a.repeats, "modes": res,
+                       "noise_floor": floor}
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 print("\n".join(format_rows(world, b, res, list(coeffs))), flush=True)
@@ -379,6 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"    timing spread (max-min)/median over {a.repeats} repeats, median: {spreads}")
                 if "on:online" in res:
                     print(online_line(res["on:online"]), flush=True)
+                if floor is not None:
+                    print(f"    noise floor, every rank on the same {b} samples ({floor['rank_ms']:.2f} ms): "
+                          f"straggler median {floor['straggler']:.3f}, by step "
+                          + " ".join(f"{x:.3f}" for x in floor["straggler_by_step"]), flush=True)
         if not a.no_shuffle:
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"off", "kk", "on:flops", "on:calib", "on:online"}
 ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib|on:online) \|(.*)$", re.M)
@@ -19,7 +21,7 @@ ROW = re.compile(r"^ *(\d+) +(\d+) +(off|kk|on:flops|on:calib|on:online) \|(.*)$
 
 def test_bench_gpu_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "gpu.jsonl", tmp_path / "gpu.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--repeats", "2", "--json-out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--repeats", "2", "--noise-floor", "--json-out", str(out)]
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     if has_mpl:
         cmd += ["--plot", str(png)]
@@ -34,6 +36,7 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
         (w, b, m) for w in (2, 4) for b in (4, 8) for m in MODES}, tail
     assert "pred flops" in proc.stdout and "pred calib" in proc.stdout
     assert len(re.findall(r"timing spread \(max-min\)/median over 2 repeats", proc.stdout)) == 4, tail
+    assert len(re.findall(r"noise floor, every rank on the same \d+ samples", proc.stdout)) == 4, tail
     for mode in ("none", "fenced", "side"):
         assert re.search(rf"^ *{mode} \| +[\d.]+", proc.stdout, re.M), tail
 
@@ -47,6 +50,10 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
         assert r["device"] == "cpu" and r["attention"] == "loop"
     for r in emu:
         assert set(r["modes"]) == MODES
+        assert r["repeats"] == 2
+        floor = r["noise_floor"]
+        assert len(floor["straggler_by_step"]) == r["steps"] and min(floor["straggler_by_step"]) >= 1.0
+        assert floor["straggler"] == sorted(floor["straggler_by_step"])[1] and floor["rank_ms"] > 0
         cal = r["calibration"]
         assert min(cal["a"], cal["b"], cal["c"]) >= 0 and len(cal["lengths"]) == len(cal["times_s"])
         for m, v in r["modes"].items():
@@ -86,5 +93,22 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
     for mode in ("none", "fenced", "side"):
         assert sh[f"{mode}_step_ms"] > 0 and sh[f"{mode}_blocked_ms"] >= 0
         assert sh[f"{mode}_syncs_per_step"] is None  # counted on CUDA only
+        assert sh[f"{mode}_other_thread_syncs_per_step"] is None
     if has_mpl:
         assert png.stat().st_size > 0
+
+
+def test_noise_floor_control_gives_every_rank_the_same_balanced_part() -> None:
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    try:
+        import bench_gpu
+    finally:
+        del sys.path[0]
+    from balancer.partition import balanced_partition
+
+    rng = np.random.default_rng(0)
+    costs = {"flops": rng.integers(1, 1000, 24), "calib": rng.integers(1, 1000, 24)}
+    parts = bench_gpu.assign("same", costs, 4, "calib")
+    want = np.asarray(balanced_partition(costs["calib"], 4)[0])
+    assert len(parts) == 4 and all(np.array_equal(p, want) for p in parts)
+    assert len(bench_gpu.assign("same", {"flops": costs["flops"]}, 4, "flops")[0]) == 6
