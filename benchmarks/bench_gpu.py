@@ -373,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.zero_grad(set_to_none=True)
         meta["compute_syncs_per_fwd_bwd"] = syncs[0]
         meta["compute_syncs_without_embedding_grad"] = frozen[0]
-        print(f"synchronising calls in one forward+backward: {syncs[0]} ({frozen[0]} with the embedding "
-              "table frozen: the rest come from nn.Embedding's backward)")
+        print(f"synchronising calls in one forward+backward: {syncs[0]}, {frozen[0]} with the embedding "
+              "table frozen")
     if "flops" in a.costs or a.kk_cost == "flops":
         coeffs["flops"] = flops_coefficients(a)
     if "calib" in a.costs:
