@@ -109,10 +109,10 @@ if want bench; then
 fi
 if want bench_large; then
   # Compute-bound ranks (the default model is launch-bound on an H100/H200), each
-  # rank timed 3 times per step: the timing spread bounds what noise adds to
-  # the residual straggler.
+  # rank timed 3 times per step: the timing spread, and the noise floor (every
+  # rank on the same samples), bound what noise adds to the residual straggler.
   run_step bench_large "$py" benchmarks/bench_gpu.py --device cuda --hidden 1024 --heads 8 --layers 4 \
-    --max-len 8192 --world-sizes 8 16 --batch-sizes 32 --steps 12 --repeats 3 --no-shuffle \
+    --max-len 8192 --world-sizes 8 16 --batch-sizes 32 --steps 12 --repeats 3 --noise-floor --no-shuffle \
     --json-out "$out/gpu_large.jsonl"
 fi
 if want suite; then
