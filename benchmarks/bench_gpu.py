@@ -21,6 +21,11 @@ first part of the balanced partition), so its measured max/mean is what
 timing noise and the device alone give a perfectly balanced step; a residual
 straggler at that floor is not the cost model's.
 
+Some steps cannot be balanced: one long sample plus the ``B - 1`` shortest
+outweighs the mean rank. ``bound`` is that step's best possible max/mean under
+the calibrated cost (``lower_bound``; FLOPs without calibration), and ``over
+bound`` the measured straggler divided by it: what balancing left on the table.
+
 Each rank's forward + backward of a small transformer stack (bf16 on CUDA with
 packed varlen FlashAttention; float32 per-sample SDPA on CPU) is timed
 separately: CUDA events on a GPU, synchronising only between timed regions;
@@ -72,7 +77,7 @@ from _gpu_common import (  # noqa: E402
 
 from balancer import SelfAttentionCost, fit_polynomial  # noqa: E402
 from balancer._calibrate import CostModel, OnlineFit, features  # noqa: E402
-from balancer.partition import balanced_partition, karmarkar_karp  # noqa: E402
+from balancer.partition import balanced_partition, karmarkar_karp, lower_bound  # noqa: E402
 from balancer.testing import run_workers  # noqa: E402
 
 MAX_COST = 2**62  # as balancer.workloads: int64 costs with headroom
@@ -172,7 +177,8 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         costs: dict[str, np.ndarray] = {c: cost_values(co, lengths) for c, co in coeffs.items()}
         if online is not None:
             costs["online"] = online.costs(lengths, s)
-        rec: dict[str, Any] = {}
+        base = next(c for c in ("calib", "flops") if c in costs)
+        rec: dict[str, Any] = {"bound": lower_bound(costs[base], world) / (float(costs[base].sum()) / world)}
         order = modes + (["same"] if a.noise_floor else [])
         k = s % len(order)
         for m in order[k:] + order[:k]:
@@ -195,7 +201,10 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         on["observations"] = online.fit.observations
         after = by_step[online.fitted_at:] if online.fitted_at is not None else []
         on["straggler_fitted"] = statistics.median(after) if after else None
+        over = [x / st["bound"] for x, st in zip(by_step, steps, strict=True)][online.fitted_at or 0:]
+        on["over_bound_fitted"] = statistics.median(over) if online.fitted_at is not None else None
         on["model"] = None if online.model is None else dataclasses.asdict(online.model)
+    res["bound_by_step"] = [st["bound"] for st in steps]
     if a.noise_floor:
         by_step = [max_over_mean(st["same"]["times"]) for st in steps]
         res["noise_floor"] = {"straggler": statistics.median(by_step), "straggler_by_step": by_step,
@@ -234,6 +243,7 @@ def summarize(steps: list[dict[str, Any]], modes: list[str], kk_cost: str, base_
             "step_ms": 1e3 * med(max(x) for x in t),
             "mean_rank_ms": 1e3 * med(sum(x) / len(x) for x in t),
             "straggler": med(max_over_mean(x) for x in t),
+            "over_bound": med(max_over_mean(st[m]["times"]) / st["bound"] for st in steps),
             "ideal_speedup": med(max_over_mean(o["off"]["times"]) / max_over_mean(o[m]["times"]) for o in steps),
             "predicted_straggler": med(st[m]["pred"][own] for st in steps),
             "predicted_by": own,
@@ -252,7 +262,8 @@ def format_rows(world: int, b: int, res: dict[str, Any], costs: list[str]) -> li
     for m, r in res.items():
         pred = " ".join(f"{r['predicted_straggler_by_cost'][c]:>10.3f}" for c in costs)
         out.append(f"{world:>3} {b:>4} {m:>9} | {r['step_ms']:>8.2f} {r['speedup']:>7.3f} "
-                   f"{r['ideal_speedup']:>6.3f} | {r['mean_rank_ms']:>8.2f} {r['straggler']:>9.3f} | {pred}")
+                   f"{r['ideal_speedup']:>6.3f} | {r['mean_rank_ms']:>8.2f} {r['straggler']:>9.3f} "
+                   f"{r['over_bound']:>8.3f} | {pred}")
     return out
 
 
@@ -266,14 +277,14 @@ def online_line(on: dict[str, Any]) -> str:
         return (f"    on:online straggler by step: {steps}; fitted from step {on['fitted_from_step']}, median since "
                 f"{on['straggler_fitted']:.3f}; last fit: per-rank constant only (back to the FLOPs model)")
     return (f"    on:online straggler by step: {steps}; fitted from step {on['fitted_from_step']}, median since "
-            f"{on['straggler_fitted']:.3f}; model {m['alpha']:.3g} w + {m['beta']:.3g} L^2 + {m['gamma']:.3g} L "
+            f"{on['straggler_fitted']:.3f} ({on['over_bound_fitted']:.3f} over the bound); model {m['alpha']:.3g} w + {m['beta']:.3g} L^2 + {m['gamma']:.3g} L "
             f"+ {m['delta']:.3g} s (rel. error {m['rel_error']:.3f})")
 
 
 def header(costs: list[str]) -> str:
     pred = " ".join(f"{'pred ' + c:>10}" for c in costs)
     return (f"{'W':>3} {'B':>4} {'mode':>9} | {'step ms':>8} {'speedup':>7} {'ideal':>6} | "
-            f"{'rank ms':>8} {'straggler':>9} | {pred}")
+            f"{'rank ms':>8} {'straggler':>9} {'over bd':>8} | {pred}")
 
 
 def plot(rows: list[dict[str, Any]], modes: list[str], path: str) -> None:
@@ -393,12 +404,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for b in a.batch_sizes:
                 res = run_config(model, backend, device, world, b, a, coeffs, modes)
                 floor = res.pop("noise_floor", None)
+                bounds = res.pop("bound_by_step")
                 row = {"bench": "gpu_emulation", **env, **meta, "world": world, "batch_size": b,
                        "steps": a.steps, "kk_cost": a.kk_cost, "repeats": a.repeats, "modes": res,
-                       "noise_floor": floor}
+                       "bound_by_step": bounds, "noise_floor": floor}
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 print("\n".join(format_rows(world, b, res, list(coeffs))), flush=True)
+                print("    bound (best possible max/mean) by step: " + " ".join(f"{x:.3f}" for x in bounds))
                 if a.repeats > 1:
                     spreads = " ".join(f"{m} {100 * r['timing_spread']:.1f}%" for m, r in res.items())
                     print(f"    timing spread (max-min)/median over {a.repeats} repeats, median: {spreads}")

@@ -51,6 +51,7 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
     for r in emu:
         assert set(r["modes"]) == MODES
         assert r["repeats"] == 2
+        assert len(r["bound_by_step"]) == r["steps"] and min(r["bound_by_step"]) >= 1.0
         floor = r["noise_floor"]
         assert len(floor["straggler_by_step"]) == r["steps"] and min(floor["straggler_by_step"]) >= 1.0
         assert floor["straggler"] == sorted(floor["straggler_by_step"])[1] and floor["rank_ms"] > 0
@@ -62,6 +63,7 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
             assert v["straggler"] >= 1.0 and v["predicted_straggler"] >= 1.0
             assert len(v["rank_ms_first_step"]) == r["world"]
             assert math.isfinite(v["timing_spread"]) and v["timing_spread"] >= 0, (m, v["timing_spread"])
+            assert math.isfinite(v["over_bound"]) and v["over_bound"] > 0, (m, v["over_bound"])
         off = r["modes"]["off"]
         assert off["speedup"] == 1.0 and off["ideal_speedup"] == 1.0
         # Balancing never raises the straggler its own cost model predicts.
@@ -78,10 +80,11 @@ def test_bench_gpu_quick(tmp_path: Path) -> None:
         assert online["observations"] == 3 * r["world"]
         model = online["model"]
         if online["fitted_from_step"] is None:
-            assert online["straggler_fitted"] is None
+            assert online["straggler_fitted"] is None and online["over_bound_fitted"] is None
         else:
             assert online["fitted_from_step"] == 2
             assert online["straggler_fitted"] == online["straggler_by_step"][2]
+            assert online["over_bound_fitted"] == online["straggler_by_step"][2] / r["bound_by_step"][2]
         if model is not None:
             assert min(model["alpha"], model["beta"], model["gamma"], model["delta"]) >= 0
             assert model["alpha"] + model["beta"] + model["gamma"] + model["delta"] > 0
