@@ -419,8 +419,8 @@ def time_side_by_side(fns: dict[str, Callable[[], Any]], reps: int,
 
 
 # ----------------------------------------------------------------- 2. before / after at scale
-SCALE_SHAPES = [(16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512), (256, 1024),
-                (8192, 8), (256, 512), (64, 128), (32, 32), (8, 128), (4, 256),
+SCALE_SHAPES = [(32768, 8), (16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512),
+                (256, 1024), (8192, 8), (256, 512), (64, 128), (32, 32), (8, 128), (4, 256),
                 (256, 4), (128, 8), (64, 16)]
 
 
@@ -466,7 +466,7 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
 
 
 # ----------------------------------------------------------------- 2c. under load
-LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 16384x16 ... 256x1024
+LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 32768x8 ... 256x1024
 
 
 def _spin(run: Any, stop: Any, ready: Any) -> None:
@@ -733,6 +733,8 @@ def main() -> None:
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections: quality,scale,small,load,curves,threads,locality,tokens")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated WxB: run the scale and load sections on these shapes only")
     ap.add_argument("--load-procs", type=int, default=os.cpu_count() or 2,
                     help="busy processes in the 'load' section (default: one per core)")
     ap.add_argument("--step-ms", type=float, default=50.0,
@@ -749,6 +751,12 @@ def main() -> None:
 
     def want(section: str) -> bool:
         return only is None or section in only
+
+    def pick(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return shapes if chosen is None else chosen
+
+    chosen = None if args.shapes is None else [
+        (int(w), int(b)) for w, b in (s.lower().split("x") for s in args.shapes.split(","))]
 
     emit(header())
     print(json.dumps(header()))
@@ -779,11 +787,11 @@ def main() -> None:
             configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
             quality(configs, seeds, emit, methods)
         if want("scale"):
-            scale(SCALE_SHAPES, DISTS, max(2, seeds), before, emit)
+            scale(pick(SCALE_SHAPES), DISTS, max(2, seeds), before, emit)
         if want("small"):
             small(SMALL_SHAPES, DISTS, seeds, before, emit)
         if want("load"):
-            under_load(LOAD_SHAPES, DISTS, args.load_procs, emit)
+            under_load(pick(LOAD_SHAPES), DISTS, args.load_procs, emit)
         if want("curves"):
             scaling_curves(before, emit, args.plot)
         if want("threads"):

@@ -8,7 +8,9 @@
    closes the rest; the projected-load greedy :func:`fill` at scale
    (cardinality-aware, ``O(B / rows_per_step)`` numpy steps). If the start
    misses the target and the input is small, equal-size Karmarkar-Karp is
-   tried too (it starts ~10x closer on smooth inputs);
+   tried too (it starts ~10x closer on smooth inputs). With ``B <= 8`` at
+   scale KK is the start and ``fill`` only its fallback (KK gives up on
+   heavy tails at once);
 4. for ``B <= 16``, column re-matching (:mod:`balancer.partition._rematch`);
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
    single best swaps for the heaviest part, two-for-two swaps for few parts.
@@ -70,6 +72,24 @@ _ROUND_MIN_HEAVY = (4, 1)
 _REMATCH_MAX_B = 16
 _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
+# B <= _KK_FIRST_MAX_B at scale, where re-matching gets less than its full 8
+# cycles (W > 4096 at B = 8): equal-size KK (B - 1 merges of W items) starts
+# there, fill only where it gives up (heavy tails). Re-matching then ends ~2x
+# closer (32768x8 uniform, 3 seeds: 1.1e-3 -> 5.0e-4 above the bound, median;
+# 8192x8 3.1e-4 -> 2.2e-4; lognormal, Zipf and padded unchanged: KK gives up).
+# With the full budget the fill start re-matches further (4096x8 uniform:
+# 8.9e-5 against 1.3e-4 from KK), and at B = 16 too (16384x16 uniform 1.8e-5
+# against 2.6e-5), so fill stays there.
+_KK_FIRST_MAX_B = 8
+# After re-matching at scale, more than W / _PLATEAU_PARTS parts above target
+# means the max is a plateau that many parts share (uniform B <= 8: 29-59 % of
+# the parts): a swap lowers one part of it, and the rounds' and polish's budgets
+# reach a few thousand. Measured after re-matching on 7 shapes (32768x8 ...
+# 1024x16) x 3 distributions x 2 seeds: in the 7 instances past that line (all
+# uniform B <= 8) they lowered the max by at most 1 % of its gap (8192x8:
+# 2.66e-4 -> 2.63e-4 above the bound) for 2-16 ms; below it (Zipf, lognormal,
+# B = 16 mostly) they can do more, and stay.
+_PLATEAU_PARTS = 4
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 # Up to N = 1,024 the refinement is all call overhead (a round ~60 numpy calls,
@@ -118,26 +138,41 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     target = bound * (1 + rtol) if rtol > 0 else bound
     if v.dtype.kind == "i":
         target = int(target)
+    # B <= 8 at scale with a short re-matching budget: KK first (_KK_FIRST_MAX_B).
+    kk_first = n > _LPT_MAX_ITEMS and b <= _KK_FIRST_MAX_B and _rematch_moves(w, b) < 8 * b
+    started = _kk_start(v, w) if kk_first else None
     if n <= _LPT_MAX_ITEMS:
         rows = lpt(v, w)
         loads = v[rows].sum(axis=1)
+    elif started is not None:
+        rows, loads = started
+    elif b <= _FILL_TWO_ROWS_MAX_B:
+        rows, loads = fill(v, w, prefix, 2, alternate=True)
     else:
-        if b <= _FILL_TWO_ROWS_MAX_B:
-            rows, loads = fill(v, w, prefix, 2, alternate=True)
-        else:
-            rows, loads = fill(v, w, prefix, max(1, b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2)))
-    if loads.max() > target and n <= _KK_MAX_ITEMS:
+        rows, loads = fill(v, w, prefix, max(1, b // (_FILL_ROWS if b < 256 else _FILL_ROWS // 2)))
+    if loads.max() > target and n <= _KK_MAX_ITEMS and not kk_first:
         # Smooth inputs: KK starts far closer than LPT. Heavy tails turn KK into
         # a long chain of single merges, visible in its first round.
-        part = kk_equal(v, w, give_up=True)
-        if part is not None:
-            kk_rows = np.argsort(part, kind="stable").reshape(w, b)
-            kk_loads = v[kk_rows].sum(axis=1)
-            if kk_loads.max() < loads.max():
-                rows, loads = kk_rows, kk_loads
+        started = _kk_start(v, w)
+        if started is not None and started[1].max() < loads.max():
+            rows, loads = started
     if loads.max() > target:
         refine(v, rows, loads, target, stop_at)
     return Solved(order, v, rows, loads, bound)
+
+
+def _rematch_moves(w: int, b: int) -> int:
+    """Column re-matching's move budget: 8 cycles of ``B``, within the caps."""
+    return min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w))
+
+
+def _kk_start(v: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Equal-size KK's rows (each ascending) and loads, or None where it gives up."""
+    part = kk_equal(v, w, give_up=True)
+    if part is None:
+        return None
+    rows = np.argsort(part, kind="stable").reshape(w, -1)
+    return rows, v[rows].sum(axis=1)
 
 
 def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | float,
@@ -147,8 +182,10 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     w, b = rows.shape
     large = int(v.size > _LARGE)
     if b <= _REMATCH_MAX_B:
-        rematch_columns(v, rows, loads, target, min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w)), stop_at)
+        rematch_columns(v, rows, loads, target, _rematch_moves(w, b), stop_at)
         if loads.max() <= target or late(stop_at):
+            return
+        if large and np.count_nonzero(loads > target) > w // _PLATEAU_PARTS:
             return
     steps, pair_steps = min(4 * w + 32, _POLISH_STEPS), _PAIR_STEPS
     if v.size >= _ROUNDS_MIN_ITEMS:
