@@ -121,7 +121,9 @@ if want suite; then
   # eating the device time; SUITE_WORKERS=N runs N in parallel (pytest-xdist).
   "$py" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${SUITE_TEST_TIMEOUT:-240}")
   [ -n "${SUITE_WORKERS:-}" ] && "$py" -c "import xdist" 2>/dev/null && extra+=(-n "$SUITE_WORKERS")
-  run_step suite "$py" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/suite.xml" --durations=15 \
+  # -v: one line per finished test, so that the names survive a run killed
+  # before pytest's summary (the junit XML is written only at the end).
+  run_step suite "$py" -m pytest -v -rs -p no:cacheprovider --junitxml="$out/suite.xml" --durations=15 \
     ${SUITE_MARK:+-m "$SUITE_MARK"} "${extra[@]}"
 fi
 if want example; then
