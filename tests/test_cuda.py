@@ -11,6 +11,8 @@ copy, ``nonzero``, ...).
   design, so its transport call alone runs outside the debug mode; everything
   the library does around it runs inside.
 * NCCL (two or more GPUs): the whole shuffle runs inside the debug mode.
+* LLM token batches (``TokenBatch``, padded and packed) take the same path as
+  KJT batches and are checked the same way on gloo ranks.
 
 Every test skips, with the reason, when there is no CUDA device or fbgemm-gpu
 has no CUDA kernels (the CPU wheel ``fbgemm-gpu-cpu`` has none).
@@ -37,6 +39,7 @@ from balancer.testing import run_workers
 from tests.test_exchange import expected, simulate
 from tests.test_host_syncs import _downstream
 from tests.test_shuffler import assert_identical, make_batch, rows, token_count
+from tests.test_tokens import token_batch, token_rows
 
 pytestmark = pytest.mark.cuda
 
@@ -169,6 +172,61 @@ def test_shuffle_cuda_tensors_on_gloo_ranks_without_host_sync(w: int) -> None:
     per_rank = run_workers(_gloo_cuda_worker, w, timeout=300)
     for case in range(len(per_rank[0])):
         assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+
+
+def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any, ...]]:
+    """LLM token batches (padded and packed) with ``device`` tensors on gloo ranks:
+    bit for bit the CPU shuffle of the same batches, phase 1 and phase 2 under
+    the debug mode on CUDA (on CPU, where ``tests/test_tokens.py`` runs this
+    worker too, the guards are no-ops)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    guard = no_sync if cuda else contextlib.nullcontext
+    exempt = gloo_transport_exempt if cuda else contextlib.nullcontext
+    cost = lambda b: b.seq_lens.double() ** 2 * 1e-6  # noqa: E731 - device ops only
+    out = []
+    for packed in (False, True):
+        for comm in ("all2all", "allgather"):
+            on_dev, on_cpu = BatchShuffler(cost, comm=comm), BatchShuffler(cost, comm=comm)
+            for case in range(4):
+                cpu = token_batch(rank, 6, [6, 4, 0, 6][case] if rank == 1 else 6, seed=40 + case,
+                                  packed=packed, max_len=7 + 2 * rank, pad_multiple=8)
+                batch = cpu.to(dev)
+                with guard():
+                    h = on_dev.start_shuffle_async(batch)
+                with guard(), exempt():
+                    got = on_dev.finish_shuffle(batch, h)
+                    got.cu_seqlens()  # what a varlen kernel takes, on the device
+                    if not packed:
+                        got.attention_mask()
+                ref = on_cpu.shuffle(cpu)
+                host = got.to(torch.device("cpu"))
+                assert (host.batch_size, host.actual_batch_size, host.packed) == (
+                    ref.batch_size, ref.actual_batch_size, ref.packed)
+                assert torch.equal(host.seq_lens, ref.seq_lens)
+                for name in ref.tokens:
+                    assert host.tokens[name].dtype == ref.tokens[name].dtype
+                    assert torch.equal(host.tokens[name], ref.tokens[name]), (packed, comm, case, name)
+                for name in ref.samples:
+                    assert torch.equal(host.samples[name], ref.samples[name]), (packed, comm, case, name)
+                out.append((token_rows(cpu), token_rows(ref)))
+            on_dev.close()
+            on_cpu.close()
+    return out
+
+
+def check_token_cases(per_rank: list[list[tuple[Any, ...]]]) -> None:
+    """Every real sample exactly once, tokens intact, in every case."""
+    for case in range(len(per_rank[0])):
+        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+
+
+@needs_cuda
+@pytest.mark.parametrize("w", [2, 3])
+def test_token_batches_on_cuda_shuffle_without_host_sync(w: int) -> None:
+    check_token_cases(run_workers(_token_cuda_worker, w, timeout=300))
 
 
 def _nccl_worker(rank: int, w: int) -> list[tuple[Any, ...]]:

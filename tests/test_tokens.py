@@ -255,3 +255,11 @@ def test_packed_field_of_width_zero_shuffles() -> None:
     assert sorted(s for o in outs for s in o["sid"]) == [1.0, 2.0, 3.0, 11.0, 12.0, 13.0]
     for o in outs:
         assert o["empty"] == (sum(o["lens"]), 0) and o["ids"] == (sum(o["lens"]),)
+
+
+def test_the_cuda_tiers_token_worker_on_cpu() -> None:
+    # tests/test_cuda.py's worker, with CPU tensors: its checks run on every
+    # machine, so the CUDA tier's token test is known to check the right thing.
+    from tests.test_cuda import _token_cuda_worker, check_token_cases
+
+    check_token_cases(run_workers(_token_cuda_worker, 2, "cpu", timeout=300))
