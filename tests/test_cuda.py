@@ -291,7 +291,8 @@ class _TinyModel(torch.nn.Module):
         return loss, (loss.detach(), logits.detach())  # the pipeline returns the second item
 
 
-def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda") -> dict[str, Any]:
+def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
+                     calibrate: bool = False) -> dict[str, Any]:
     from torchrec.distributed import DistributedModelParallel
 
     from balancer.loss import global_loss_value
@@ -304,13 +305,17 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda") ->
     torch.manual_seed(0)
     model = DistributedModelParallel(_TinyModel(), device=dev, sharders=[])  # dense only: DDP inside
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    shuffler = BatchShuffler(token_count) if balanced else IdentityBatchShuffler()
+    # calibrate: the pipeline times forward + backward with CUDA events, and
+    # phase 1 reads them once complete (query, elapsed_time), inside the hooks.
+    shuffler = BatchShuffler(token_count, calibrate=calibrate) if balanced else IdentityBatchShuffler()
     pipe = BalancedTrainPipelineSparseDist(model, opt, dev, shuffler)
+    cuda = dev.type == "cuda"
     for hook in ("_start_shuffle", "_finish_shuffles"):  # the balancing hooks, under the debug mode
         real = getattr(pipe, hook)
 
         def checked(*a: Any, _real: Any = real, **k: Any) -> Any:
-            with no_sync(), gloo_transport_exempt():
+            with no_sync() if cuda else contextlib.nullcontext(), \
+                    gloo_transport_exempt() if cuda else contextlib.nullcontext():
                 return _real(*a, **k)
 
         setattr(pipe, hook, checked)
@@ -325,15 +330,24 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda") ->
         losses.append(global_loss_value(loss))  # the user's own sync, outside the hooks
     pipe.close()
     params = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params}
+    fits = shuffler._calibration._fits.values() if isinstance(shuffler, BatchShuffler) else ()
+    return {"losses": losses, "params": params, "observations": sum(len(f._times) for f in fits)}
+
+
+def check_pipeline_runs(device: str) -> None:
+    """Balanced, balanced with online calibration, and unbalanced: the same training."""
+    off = run_workers(_pipeline_worker, 2, False, device, timeout=300)
+    for calibrate in (False, True):
+        on = run_workers(_pipeline_worker, 2, True, device, calibrate, timeout=300)
+        for a, b in zip(on, off, strict=True):
+            assert len(a["losses"]) == len(b["losses"]) == 8
+            np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
+            for k in b["params"]:
+                np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+            # Timed batches reached the fit (2 ranks: a time travels with a later shuffle).
+            assert (a["observations"] > 0) == calibrate, a["observations"]
 
 
 @needs_cuda
 def test_balanced_pipeline_on_cuda_matches_unbalanced() -> None:
-    on = run_workers(_pipeline_worker, 2, True, timeout=300)
-    off = run_workers(_pipeline_worker, 2, False, timeout=300)
-    for a, b in zip(on, off, strict=True):
-        assert len(a["losses"]) == len(b["losses"]) == 8
-        np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
-        for k in b["params"]:
-            np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    check_pipeline_runs("cuda")

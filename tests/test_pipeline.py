@@ -398,3 +398,11 @@ def test_prefetch_pipeline_without_contexts_is_refused(monkeypatch: pytest.Monke
         BalancedPrefetchTrainPipelineSparseDist(
             torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"),
             IdentityBatchShuffler())
+
+
+def test_the_cuda_tiers_pipeline_check_on_cpu() -> None:
+    # tests/test_cuda.py's pipeline check (a dense-only model: no TBE kernels),
+    # with CPU tensors: the same assertions run on every machine.
+    from tests.test_cuda import check_pipeline_runs
+
+    check_pipeline_runs("cpu")
