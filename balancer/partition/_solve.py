@@ -9,8 +9,9 @@
    (cardinality-aware, ``O(B / rows_per_step)`` numpy steps). If the start
    misses the target and the input is small, equal-size Karmarkar-Karp is
    tried too (it starts ~10x closer on smooth inputs). With ``B <= 8`` at
-   scale KK is the start and ``fill`` only its fallback (KK gives up on
-   heavy tails at once);
+   scale, where re-matching has a short budget (W > 4096 at B = 8), KK is
+   the start and ``fill`` only its fallback (KK gives up on heavy tails at
+   once);
 4. for ``B <= 16``, column re-matching (:mod:`balancer.partition._rematch`);
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
    single best swaps for the heaviest part, two-for-two swaps for few parts.
