@@ -171,10 +171,9 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, 
         res[f"{m}_step_ms"] = 1e3 * statistics.median(max(r["step_s"][m][i] for r in per_rank) for i in range(reps))
         res[f"{m}_blocked_ms"] = 1e3 * statistics.median(
             max(r["blocked_s"][m][i] for r in per_rank) for i in range(reps))
-        syncs = per_rank[0]["syncs"][m]
-        res[f"{m}_syncs_per_step"] = None if syncs is None else [c / min(2, cfg["steps"]) for c in syncs]
-        other = per_rank[0]["syncs_elsewhere"][m]
-        res[f"{m}_other_thread_syncs_per_step"] = None if other is None else [c / min(2, cfg["steps"]) for c in other]
+        for key, name in (("syncs", "syncs_per_step"), ("syncs_elsewhere", "other_thread_syncs_per_step")):
+            counts = per_rank[0][key][m]
+            res[f"{m}_{name}"] = None if counts is None else [c / min(2, cfg["steps"]) for c in counts]
     for m in MODES[1:]:
         res[f"{m}_overhead"] = res[f"{m}_step_ms"] / res["none_step_ms"] - 1
     res["shuffle_matches"] = all(r["matches"] for r in per_rank)
@@ -190,10 +189,8 @@ def format_table(r: dict[str, Any]) -> str:
              f"{'mode':>8} | {'step ms':>8} {'overhead':>8} | {'host-blocked ms':>15} | {'syncs/step ph1 ph2':>18} | {'other threads':>13}"]
     for m in MODES:
         over = f"{100 * r[m + '_overhead']:+7.2f}%" if m != "none" else f"{'-':>8}"
-        s = r[f"{m}_syncs_per_step"]
-        syncs = "n/a (CPU)" if s is None else f"{s[0]:.1f} {s[1]:.1f}"
-        o = r[f"{m}_other_thread_syncs_per_step"]
-        other = "n/a (CPU)" if o is None else f"{o[0]:.1f} {o[1]:.1f}"
+        syncs, other = ("n/a (CPU)" if c is None else f"{c[0]:.1f} {c[1]:.1f}"
+                        for c in (r[f"{m}_syncs_per_step"], r[f"{m}_other_thread_syncs_per_step"]))
         lines.append(f"{m:>8} | {r[m + '_step_ms']:>8.2f} {over} | {r[m + '_blocked_ms']:>15.2f} | {syncs:>18} | {other:>13}")
     lines.append(f"pipelined shuffle output == batch balanced beforehand: {r['shuffle_matches']}")
     return "\n".join(lines)

@@ -112,6 +112,12 @@ def calibrate(model: Transformer, backend: str, device: torch.device, max_len: i
             "r2": fit.r2, "unit": "ns"}
 
 
+def base_cost(names: Any) -> str:
+    """The cost that ``off``'s prediction, the noise floor and each step's bound use:
+    the calibrated one when there is one, else FLOPs."""
+    return "calib" if "calib" in names else "flops"
+
+
 def assign(mode: str, costs: dict[str, np.ndarray], world: int, kk_cost: str) -> list[np.ndarray]:
     """Global sample indices of every rank under ``mode``."""
     if mode == "off":
@@ -119,8 +125,7 @@ def assign(mode: str, costs: dict[str, np.ndarray], world: int, kk_cost: str) ->
     if mode == "kk":
         return [np.asarray(p) for p in karmarkar_karp(costs[kk_cost], world)]
     if mode == "same":  # the noise-floor control: one balanced part on every rank
-        base = next(c for c in ("calib", "flops") if c in costs)
-        return [np.asarray(balanced_partition(costs[base], world)[0])] * world
+        return [np.asarray(balanced_partition(costs[base_cost(costs)], world)[0])] * world
     return [np.asarray(p) for p in balanced_partition(costs[mode.split(":")[1]], world)]
 
 
@@ -177,8 +182,8 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         costs: dict[str, np.ndarray] = {c: cost_values(co, lengths) for c, co in coeffs.items()}
         if online is not None:
             costs["online"] = online.costs(lengths, s)
-        base = next(c for c in ("calib", "flops") if c in costs)
-        rec: dict[str, Any] = {"bound": lower_bound(costs[base], world) / (float(costs[base].sum()) / world)}
+        base = costs[base_cost(costs)]
+        rec: dict[str, Any] = {"bound": lower_bound(base, world) / (float(base.sum()) / world)}
         order = modes + (["same"] if a.noise_floor else [])
         k = s % len(order)
         for m in order[k:] + order[:k]:
@@ -192,7 +197,7 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
                 online.observe(s, lengths, parts, rec[m]["times"])
         if s >= 0:
             steps.append(rec)
-    res = summarize(steps, modes, a.kk_cost, "calib" if "calib" in coeffs else "flops")
+    res = summarize(steps, modes, a.kk_cost, base_cost(coeffs))
     if online is not None:
         on = res["on:online"]
         by_step = [max_over_mean(st["on:online"]["times"]) for st in steps]
