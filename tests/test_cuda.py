@@ -142,6 +142,13 @@ def test_simulated_exchange_on_cuda(comm: str) -> None:
             assert rows(out)[: len(want)] == want, (case, r)
 
 
+def check_conserved(per_rank: list[list[tuple[Any, ...]]]) -> None:
+    """Each case's ``(samples before, samples after)`` per rank: every real
+    sample exactly once over all ranks, its contents intact."""
+    for case in range(len(per_rank[0])):
+        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+
+
 def _gloo_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any, ...]]:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -169,9 +176,7 @@ def _gloo_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any
 @needs_cuda
 @pytest.mark.parametrize("w", [2, 4])
 def test_shuffle_cuda_tensors_on_gloo_ranks_without_host_sync(w: int) -> None:
-    per_rank = run_workers(_gloo_cuda_worker, w, timeout=300)
-    for case in range(len(per_rank[0])):
-        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+    check_conserved(run_workers(_gloo_cuda_worker, w, timeout=300))
 
 
 def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any, ...]]:
@@ -217,16 +222,10 @@ def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[An
     return out
 
 
-def check_token_cases(per_rank: list[list[tuple[Any, ...]]]) -> None:
-    """Every real sample exactly once, tokens intact, in every case."""
-    for case in range(len(per_rank[0])):
-        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
-
-
 @needs_cuda
 @pytest.mark.parametrize("w", [2, 3])
 def test_token_batches_on_cuda_shuffle_without_host_sync(w: int) -> None:
-    check_token_cases(run_workers(_token_cuda_worker, w, timeout=300))
+    check_conserved(run_workers(_token_cuda_worker, w, timeout=300))
 
 
 def _nccl_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
@@ -251,9 +250,7 @@ def _nccl_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
 @needs_nccl
 def test_shuffle_on_nccl_without_host_sync() -> None:
     w = min(torch.cuda.device_count(), 4)
-    per_rank = run_workers(_nccl_worker, w, timeout=300, backend="nccl")
-    for case in range(len(per_rank[0])):
-        assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
+    check_conserved(run_workers(_nccl_worker, w, timeout=300, backend="nccl"))
 
 
 # ------------------------------------------------------------------ pipeline

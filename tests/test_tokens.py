@@ -260,6 +260,6 @@ def test_packed_field_of_width_zero_shuffles() -> None:
 def test_the_cuda_tiers_token_worker_on_cpu() -> None:
     # tests/test_cuda.py's worker, with CPU tensors: its checks run on every
     # machine, so the CUDA tier's token test is known to check the right thing.
-    from tests.test_cuda import _token_cuda_worker, check_token_cases
+    from tests.test_cuda import _token_cuda_worker, check_conserved
 
-    check_token_cases(run_workers(_token_cuda_worker, 2, "cpu", timeout=300))
+    check_conserved(run_workers(_token_cuda_worker, 2, "cpu", timeout=300))
