@@ -5,7 +5,7 @@ One command::
     .venv/bin/python benchmarks/bench_partition.py [--quick] [--seeds 3] [--json-out out.jsonl]
         [--plot docs/img/partition_time.png] [--before 07a7679] [--only scale,curves]
 
-Prints up to six tables and writes one JSON line per measurement (plus one
+Prints up to seven tables and writes one JSON line per measurement (plus one
 header line with hardware, versions and load) to ``--json-out``:
 
 1. quality (``max load / lower_bound - 1``, median and worst over seeds) and
@@ -29,7 +29,11 @@ header line with hardware, versions and load) to ``--json-out``:
 5. locality: fraction of samples (and bytes) that move between ranks with a
    placement-blind assignment vs ``localize``;
 6. compute and memory: compute balanced with a cap on tokens per rank (W = 8-16,
-   20 seeds; W = 32-128, 5 seeds).
+   20 seeds; W = 32-128, 5 seeds);
+7. crowded parts (``--only crowded``): Zipf lengths clipped at 4096 at B = 16,
+   the shipped partition next to a class split with long refinement (seconds
+   per instance), which shows how much of the gap to the bound is the
+   partition's.
 
 The ``--before`` reference is loaded from git (``git show``) into a temporary
 package, so both versions run in one process.
@@ -66,6 +70,8 @@ from balancer.partition import (  # noqa: E402
     lower_bound,
 )
 from balancer.partition._balanced import partition_rows  # noqa: E402
+from balancer.partition._lpt import lpt  # noqa: E402
+from balancer.partition._refine import polish, swap_rounds  # noqa: E402
 
 DISTS = ("uniform", "lognormal", "zipf", "padded")
 Method = Callable[[np.ndarray, int], list[list[int]]]
@@ -723,6 +729,88 @@ def tokens(ws: tuple[int, ...], seeds: int, caps: tuple[float | None, ...],
             print(row, flush=True)
 
 
+
+# ----------------------------------------------------------------- crowded parts (a study)
+def crowded_split(v: np.ndarray, w: int, target: int, rounds: int, steps: int) -> np.ndarray | None:
+    """A partition of ascending int64 ``v`` built around its largest tie block, or ``None``
+    where that block does not crowd the parts.
+
+    With ``K`` items in the top block (clipped lengths) and ``c = ceil(K / W)``, a
+    partition below ``target`` gives ``a = K - (c - 1) W`` parts ``c`` of them and
+    the rest ``c - 1`` (no part can hold ``c + 1``). Given that, the other items
+    form two independent problems: ``a`` parts of ``B - c`` items and ``W - a``
+    parts of ``B - c + 1``, each with a fixed offset. The split gives the second
+    class the largest items and tops it up with the smallest, as many of the
+    largest as fit under ``target`` in sum; the first class takes the middle. Each
+    class starts from capped LPT and gets up to ``rounds`` parallel swap rounds
+    and ``steps`` single swaps, far past the library's budgets: a yardstick for
+    what a partition of these inputs can reach, not a candidate for the
+    shuffler's per-step path.
+
+    Returns:
+        [W, B] sorted positions per part (a permutation of ``range(N)``).
+    """
+    n = v.size
+    b = n // w
+    k = n - int(np.searchsorted(v, v[-1], side="left"))
+    c = -(-k // w)
+    low = int(v[-1])
+    m = n - k
+    if c >= b or k % w == 0 or (c + 1) * low + int(v[: b - c - 1].sum()) <= target:
+        return None
+    a = k - (c - 1) * w
+    n2 = (w - a) * (b - c + 1)
+    prefix = np.concatenate([[0], np.cumsum(v[:m])])
+    j = np.arange(n2 + 1)
+    fits = (prefix[m] - prefix[m - j]) + prefix[n2 - j] <= (w - a) * (target - (c - 1) * low)
+    top = int(np.flatnonzero(fits).max()) if fits.any() else 0
+    classes = [(np.arange(n2 - top, m - top), a, c),
+               (np.concatenate([np.arange(n2 - top), np.arange(m - top, m)]), w - a, c - 1)]
+    rows, big = [], m
+    for idx, parts, bigs in classes:
+        vals = v[idx]
+        r = lpt(vals, parts)
+        loads = vals[r].sum(axis=1)
+        goal = target - bigs * low
+        swap_rounds(vals, r, loads, goal, rounds, 8)  # stops after two rounds without a swap
+        polish(vals, r, loads, goal, steps)
+        rows.append(np.concatenate([idx[r], big + np.arange(parts * bigs).reshape(parts, bigs)], axis=1))
+        big += parts * bigs
+    out = np.sort(np.concatenate(rows), axis=1)
+    assert (np.sort(out, axis=None) == np.arange(n)).all()
+    return out
+
+
+def crowded(shapes: list[tuple[int, int]], seeds: int, rounds: int, steps: int,
+            emit: Callable[[dict[str, Any]], None]) -> None:
+    """Zipf lengths clipped at 4096: the shipped partition against :func:`crowded_split`.
+
+    Where ``crowded_split`` ends far below the shipped partition, the gap to
+    ``lower_bound`` is (that much) the partition's, not the bound's.
+    """
+    print(f"\n## Crowded parts: Zipf, max/bound - 1 of the shipped partition and of a class split "
+          f"with long refinement ({rounds} rounds, {steps} swaps), {seeds} seeds\n")
+    print("| W x B | seed | clipped / W | partition_rows | ms | class split | s |")
+    print("|---|---|---|---|---|---|---|")
+    for w, b in shapes:
+        for seed in range(seeds):
+            x, lens = make_workloads("zipf", w * b, seed)
+            v = np.sort(x)
+            bound = lower_bound(x, w)
+            t = time.perf_counter()
+            shipped = x[partition_rows(x, w)].sum(axis=1).max() / bound - 1
+            ms = 1e3 * (time.perf_counter() - t)
+            t = time.perf_counter()
+            rows = crowded_split(v, w, int(bound), rounds, steps)
+            secs = time.perf_counter() - t
+            split = None if rows is None else float(v[rows].sum(axis=1).max() / bound - 1)
+            emit({"kind": "crowded", "W": w, "B": b, "seed": seed, "gap": float(shipped), "ms": ms,
+                  "split_gap": split, "split_s": secs, "clipped": int((lens == 4096).sum())})
+            cell = "-" if split is None else f"{split:.1e}"
+            print(f"| {w}x{b} | {seed} | {(lens == 4096).sum() / w:.2f} | {shipped:.1e} | {ms:.1f} | "
+                  f"{cell} | {secs:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small subset (~1 min)")
@@ -732,7 +820,8 @@ def main() -> None:
     ap.add_argument("--before", default="07a7679",
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections: quality,scale,small,load,curves,threads,locality,tokens")
+                    help="comma-separated sections: quality,scale,small,load,curves,threads,locality,tokens,"
+                         "crowded")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated WxB: run the scale and load sections on these shapes only")
     ap.add_argument("--load-procs", type=int, default=os.cpu_count() or 2,
@@ -782,6 +871,8 @@ def main() -> None:
             locality([(4, 128), (8, 128)], seeds, emit)
         if want("tokens"):
             tokens((8, 16), 5, (None, 1.05, 1.01), emit, before)
+        if want("crowded"):
+            crowded([(64, 16), (1024, 16)], seeds, 8, 50, emit)
     else:
         if want("quality"):
             configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
@@ -802,6 +893,8 @@ def main() -> None:
         if want("tokens"):
             tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit, before)
             tokens((32, 64, 128), 5, (None, 1.05, 1.03, 1.02, 1.01), emit, before, ", more ranks")
+        if want("crowded"):
+            crowded(pick([(64, 16), (128, 16), (1024, 16), (4096, 16), (16384, 16)]), seeds, 320, 5000, emit)
     if out:
         out.close()
 

@@ -66,6 +66,10 @@ def test_bench_partition(script: str, tmp_path: Path) -> None:
     rows = _run(script, tmp_path, "--seeds", "1", timeout=600)
     small = [r for r in rows if r.get("kind") == "small"]
     assert small and all(g >= -1e-12 for r in small for g in r["gaps_after"]), "no partition beats the bound"
+    crowded = [r for r in rows if r.get("kind") == "crowded"]
+    assert crowded and all(r["gap"] >= -1e-12 for r in crowded)
+    # the class split (a permutation, checked inside) applies to these inputs and beats no bound either
+    assert all(r["split_gap"] is not None and r["split_gap"] >= -1e-12 for r in crowded), crowded
 
 
 def test_bench_scale(tmp_path: Path) -> None:
