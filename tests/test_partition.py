@@ -92,6 +92,16 @@ def test_karmarkar_karp_invariants(case: int) -> None:
     assert _max_load(x, free) >= x.sum() / w
 
 
+@pytest.mark.parametrize("w,b", [(2, 3), (7, 5), (64, 8), (1000, 4)])
+def test_kk_rows_equals_grouping_the_labels_by_sort(w: int, b: int) -> None:
+    from balancer.partition._kk import kk_equal, kk_rows
+
+    v = np.sort(np.random.default_rng(w + b).integers(0, 10_000, w * b))
+    part = kk_equal(v, w)
+    assert part is not None
+    np.testing.assert_array_equal(kk_rows(part, w), np.argsort(part, kind="stable").reshape(w, b))
+
+
 def test_karmarkar_karp_matches_textbook_on_small_example() -> None:
     # Rows (1,2) (3,4) (5,6) merged largest-spread first: loads 10 and 11.
     parts = karmarkar_karp([1, 2, 3, 4, 5, 6], 2)

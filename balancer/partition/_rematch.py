@@ -73,6 +73,9 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
     idle = 0  # moves in a row that did not lower the max
     tried = kept = 0
     down = max_moves < 2 * b  # short budget: largest column first (module docstring)
+    # A move permutes its column's items among the parts, so each column holds
+    # the same items until the final row sort: sort them once per column.
+    ranked: dict[int, np.ndarray] = {}
     while tried < max_moves and cur > target and idle < min(b, _IDLE_MOVES):
         if stop_at is not None and time.perf_counter() >= stop_at:
             break
@@ -83,8 +86,10 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
         # Positions are value-ascending, so sorting them sorts the items (as
         # int32 when N allows: numpy's SIMD sort takes ~half the time);
         # order_floats breaks ties by part index, the same on every machine.
+        if k not in ranked:
+            ranked[k] = np.sort(col.astype(np.int32) if narrow else col)[::-1]
         new = np.empty_like(col)
-        new[order_floats(rest)] = np.sort(col.astype(np.int32) if narrow else col)[::-1]
+        new[order_floats(rest)] = ranked[k]
         new_loads = rest + vals[new]
         top = new_loads.max()
         if top < cur:

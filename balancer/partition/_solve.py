@@ -33,7 +33,7 @@ import numpy as np
 
 from balancer.partition._bound import bound_sorted, prefix_sums
 from balancer.partition._fill import fill
-from balancer.partition._kk import kk_equal
+from balancer.partition._kk import kk_equal, kk_rows
 from balancer.partition._lpt import lpt
 from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
 from balancer.partition._rematch import rematch_columns
@@ -172,7 +172,7 @@ def _kk_start(v: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray] | None:
     part = kk_equal(v, w, give_up=True)
     if part is None:
         return None
-    rows = np.argsort(part, kind="stable").reshape(w, -1)
+    rows = kk_rows(part, w)
     return rows, v[rows].sum(axis=1)
 
 
