@@ -434,14 +434,16 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
           emit: Callable[[dict[str, Any]], None], reps: int = 5) -> None:
     """Quality and time of the current ``balanced_partition`` next to ``before``'s.
 
-    Times are medians over ``reps`` calls on seed 0, the two versions taking
+    Times are medians over ``reps`` calls on seed 0, the versions taking
     turns; "array" is the same partition without building Python lists
-    (``partition_rows``, what the partition child can return).
+    (``partition_rows``, what the partition child can return; for ``before``
+    its own ``partition_rows``, or its lists as an array for commits before it).
     """
+    rows_before = None if before is None else _rows_of(before)
     print("\n## Before / after at scale (max/bound - 1: median | worst over seeds; ms per call)\n")
-    print("| W x B | dist | before: quality | before ms | after: quality | after ms (lists) "
-          "| after ms (array) | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| W x B | dist | before: quality | before ms | before ms (array) | after: quality "
+          "| after ms (lists) | after ms (array) | speedup (lists) | speedup (array) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for w, b in shapes:
         for dist in dists:
             gaps: dict[str, list[float]] = {"before": [], "after": []}
@@ -451,8 +453,9 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                 lb = lower_bound(x, w)
                 fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
                        "array": lambda x=x, w=w: partition_rows(x, w)}
-                if before is not None:
+                if before is not None and rows_before is not None:
                     fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
+                    fns["before_array"] = lambda x=x, w=w: rows_before(x, w)
                 gaps["after"].append(max_load(x, balanced_partition(x, w)) / lb - 1)
                 if before is not None:
                     gaps["before"].append(max_load(x, before.balanced_partition(x, w)) / lb - 1)
@@ -465,8 +468,10 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
             emit(row)
             cell = {k: (f"{statistics.median(v):.1e} \\| {max(v):.1e}" if v else "-")
                     for k, v in gaps.items()}
-            bms = f"{1e3 * secs['before']:.1f}" if "before" in secs else "-"
-            speed = f"{secs['before'] / secs['after']:.1f}x" if "before" in secs else "-"
+            had = "before" in secs
+            bms = f"{1e3 * secs['before']:.1f} | {1e3 * secs['before_array']:.1f}" if had else "- | -"
+            speed = (f"{secs['before'] / secs['after']:.2f}x | {secs['before_array'] / secs['array']:.2f}x"
+                     if had else "- | -")
             print(f"| {w}x{b} | {dist} | {cell['before']} | {bms} | {cell['after']} | "
                   f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} |", flush=True)
 
@@ -824,6 +829,8 @@ def main() -> None:
                          "crowded")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated WxB: run the scale and load sections on these shapes only")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="alternating calls timed per version in the scale section (median)")
     ap.add_argument("--load-procs", type=int, default=os.cpu_count() or 2,
                     help="busy processes in the 'load' section (default: one per core)")
     ap.add_argument("--step-ms", type=float, default=50.0,
@@ -878,7 +885,7 @@ def main() -> None:
             configs = [(w, b) for w in (8, 32, 64, 256) for b in (32, 128, 512)]
             quality(configs, seeds, emit, methods)
         if want("scale"):
-            scale(pick(SCALE_SHAPES), DISTS, max(2, seeds), before, emit)
+            scale(pick(SCALE_SHAPES), DISTS, max(2, seeds), before, emit, args.reps)
         if want("small"):
             small(SMALL_SHAPES, DISTS, seeds, before, emit)
         if want("load"):

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from balancer.partition._refine import order_floats
+from balancer.partition._refine import TIMSORT_MIN_PARTS, order_floats
 
 __all__ = ["rematch_columns"]
 
@@ -73,6 +73,7 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
     idle = 0  # moves in a row that did not lower the max
     tried = kept = 0
     down = max_moves < 2 * b  # short budget: largest column first (module docstring)
+    runs = rows.shape[0] >= TIMSORT_MIN_PARTS
     # A move permutes its column's items among the parts, so each column holds
     # the same items until the final row sort: sort them once per column.
     ranked: dict[int, np.ndarray] = {}
@@ -89,7 +90,7 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
         if k not in ranked:
             ranked[k] = np.sort(col.astype(np.int32) if narrow else col)[::-1]
         new = np.empty_like(col)
-        new[order_floats(rest)] = ranked[k]
+        new[order_floats(rest, nearly_sorted=runs)] = ranked[k]
         new_loads = rest + vals[new]
         top = new_loads.max()
         if top < cur:
