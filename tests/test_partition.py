@@ -238,6 +238,30 @@ def test_bound_and_partition_against_brute_force() -> None:
     assert hits / total >= 0.95, f"optimal on {hits}/{total} tiny instances"
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_solve_rows_bound_equals_lower_bound(quantized: bool) -> None:
+    """The shuffler's call sorts the workloads in the partition's order before its bound;
+    it must equal lower_bound's exactly, whatever that order (ties, floats, B = 1)."""
+    from balancer.partition._balanced import solve_rows
+
+    rng = np.random.default_rng(5)
+    for w, b in [(4, 1), (8, 16), (64, 64), (16, 2048)]:
+        x = rng.lognormal(0.0, 1.5, w * b)
+        x[rng.random(x.size) < 0.3] = 1.25  # ties
+        # distinct values that quantize alike, descending by index: the quantized order has them reversed
+        x[: x.size // 7] = 2.0 * (1 - 1e-12 * np.arange(x.size // 7))
+        home = np.repeat(np.arange(w), b)
+        for workloads in ([x, np.rint(x * 1000).astype(np.int64)] if not quantized else [x * 1e9]):
+            for kw in ({}, {"home": home}, {"tokens": np.ones(x.size, np.int64), "max_tokens": float(b)}):
+                rows, _, bound = solve_rows(workloads, w, quantized=quantized, **kw)
+                assert sorted(rows.ravel().tolist()) == list(range(x.size))
+                if quantized:
+                    top = float(workloads.max())
+                    assert bound == float(lower_bound(workloads / top, w)) * top
+                else:
+                    assert bound == lower_bound(workloads, w)
+
+
 def test_bound_is_tight_for_one_huge_item() -> None:
     x = np.array([100, 1, 1, 1, 2, 2, 3, 3])
     assert lower_bound(x, 2) == 103.0  # 100 + the 3 smallest

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from balancer._quantize import quantize
-from balancer.partition._bound import lower_bound
+from balancer.partition._bound import bound_ordered
 from balancer.partition._locality import assign_parts, localize_rows
 from balancer.partition._solve import solve
 from balancer.partition._tokens import apply_token_cap, check_tokens_met, token_cap
@@ -90,8 +90,17 @@ def localized_rows(workloads: Any, num_parts: int, home: Any = None, sizes: Any 
                    deadline_ms: float | None = None, tokens: Any = None,
                     max_tokens: float | None = None) -> np.ndarray:
     """:func:`balanced_partition` as an int64 array ``[W, B]`` (the planner keeps arrays)."""
-    rows = partition_rows(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
-                          tokens=tokens, max_tokens=max_tokens)
+    return _localized(workloads, num_parts, home, sizes, rtol=rtol, deadline_ms=deadline_ms, tokens=tokens,
+                      max_tokens=max_tokens)[0]
+
+
+def _localized(workloads: Any, num_parts: int, home: Any = None, sizes: Any = None, *, rtol: float = 1e-5,
+               deadline_ms: float | None = None, tokens: Any = None,
+               max_tokens: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`localized_rows` and the ascending order of the workloads the partition sorted
+    (``None`` where it sorted none)."""
+    rows, order = _partition(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
+                             tokens=tokens, max_tokens=max_tokens)
     if home is not None:
         x = as_workloads(workloads, num_parts)
         h, s = check_home(home, sizes, x.size, num_parts)
@@ -103,7 +112,7 @@ def localized_rows(workloads: Any, num_parts: int, home: Any = None, sizes: Any 
             if t[local].sum(axis=1).max() > token_cap(t, num_parts, max_tokens):
                 local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
         rows = local
-    return rows
+    return rows, order
 
 
 def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
@@ -115,6 +124,14 @@ def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
     partition itself); callers that want an array (the partition child) can
     skip it here.
     """
+    return _partition(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms, tokens=tokens,
+                      max_tokens=max_tokens)[0]
+
+
+def _partition(workloads: Any, num_parts: int, *, rtol: float = 1e-5, deadline_ms: float | None = None,
+               tokens: Any = None, max_tokens: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`partition_rows` and the ascending order of the workloads (``None`` where none
+    was sorted)."""
     x = as_workloads(workloads, num_parts)
     if not (isinstance(rtol, (int, float)) and 0 <= rtol < float("inf")):
         raise ValueError(f"rtol={rtol!r}, expected a finite number >= 0")
@@ -130,13 +147,13 @@ def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
         rows = np.arange(n, dtype=np.int64).reshape(w, b)
         if t is not None:
             check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
-        return rows
+        return rows, None
     stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
     sol = solve(x, w, rtol, stop_at)
     if t is not None:
         sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens, stop_at)
     rows = np.sort(sol.order[sol.rows], axis=1)
-    return rows
+    return rows, sol.order
 
 
 def solve_rows(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = None,
@@ -152,12 +169,15 @@ def solve_rows(workloads: np.ndarray, num_parts: int, home: np.ndarray | None = 
     """
     t0 = time.perf_counter()
     x = quantize(workloads) if quantized else workloads
-    rows = np.asarray(localized_rows(x, num_parts, home, sizes, tokens=tokens, max_tokens=max_tokens), dtype="<i8")
+    rows, order = _localized(x, num_parts, home, sizes, tokens=tokens, max_tokens=max_tokens)
+    rows = np.asarray(rows, dtype="<i8")
     seconds = time.perf_counter() - t0
     if not quantized:
-        return rows.reshape(num_parts, -1), seconds, float(lower_bound(workloads, num_parts))
+        return rows.reshape(num_parts, -1), seconds, bound_ordered(workloads, num_parts, order)
     # The bound is homogeneous; computing it on x / max keeps any scale (even
-    # costs whose sum exceeds lower_bound's integer range) in range.
+    # costs whose sum exceeds lower_bound's integer range) in range. The
+    # quantized integers rise with the workloads, so their order nearly sorts
+    # them too.
     top = float(np.max(workloads, initial=0.0))
-    bound = float(lower_bound(np.asarray(workloads, np.float64) / top, num_parts)) * top if top > 0 else 0.0
+    bound = bound_ordered(np.asarray(workloads, np.float64) / top, num_parts, order) * top if top > 0 else 0.0
     return rows.reshape(num_parts, -1), seconds, bound
