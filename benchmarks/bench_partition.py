@@ -69,7 +69,7 @@ from balancer.partition import (  # noqa: E402
     localize,
     lower_bound,
 )
-from balancer.partition._balanced import partition_rows  # noqa: E402
+from balancer.partition._balanced import partition_rows, solve_rows  # noqa: E402
 from balancer.partition._lpt import lpt  # noqa: E402
 from balancer.partition._refine import polish, swap_rounds  # noqa: E402
 
@@ -440,10 +440,12 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
     its own ``partition_rows``, or its lists as an array for commits before it).
     """
     rows_before = None if before is None else _rows_of(before)
+    child_before = None if before is None else _child_of(before)
     print("\n## Before / after at scale (max/bound - 1: median | worst over seeds; ms per call)\n")
     print("| W x B | dist | before: quality | before ms | before ms (array) | after: quality "
-          "| after ms (lists) | after ms (array) | speedup (lists) | speedup (array) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| after ms (lists) | after ms (array) | speedup (lists) | speedup (array) "
+          "| child ms: before / after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for w, b in shapes:
         for dist in dists:
             gaps: dict[str, list[float]] = {"before": [], "after": []}
@@ -451,11 +453,15 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
             for seed in range(seeds):
                 x, _ = make_workloads(dist, w * b, seed)
                 lb = lower_bound(x, w)
+                xf = x.astype(np.float64)  # the shuffler's costs: floats, quantized by its child
                 fns = {"after": lambda x=x, w=w: balanced_partition(x, w),
-                       "array": lambda x=x, w=w: partition_rows(x, w)}
+                       "array": lambda x=x, w=w: partition_rows(x, w),
+                       "child": lambda xf=xf, w=w: solve_rows(xf, w, quantized=True)}
                 if before is not None and rows_before is not None:
                     fns["before"] = lambda x=x, w=w: before.balanced_partition(x, w)
                     fns["before_array"] = lambda x=x, w=w: rows_before(x, w)
+                if child_before is not None:
+                    fns["before_child"] = lambda xf=xf, w=w: child_before(xf, w)
                 gaps["after"].append(max_load(x, balanced_partition(x, w)) / lb - 1)
                 if before is not None:
                     gaps["before"].append(max_load(x, before.balanced_partition(x, w)) / lb - 1)
@@ -472,8 +478,10 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
             bms = f"{1e3 * secs['before']:.1f} | {1e3 * secs['before_array']:.1f}" if had else "- | -"
             speed = (f"{secs['before'] / secs['after']:.2f}x | {secs['before_array'] / secs['array']:.2f}x"
                      if had else "- | -")
+            child = (f"{1e3 * secs['before_child']:.1f} / " if "before_child" in secs else "- / ") + \
+                f"{1e3 * secs['child']:.1f}"
             print(f"| {w}x{b} | {dist} | {cell['before']} | {bms} | {cell['after']} | "
-                  f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} |", flush=True)
+                  f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} | {child} |", flush=True)
 
 
 # ----------------------------------------------------------------- 2c. under load
@@ -589,6 +597,18 @@ def small(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                   f"{1e3 * secs['after']:.2f} |", flush=True)
     print(f"\nafter: slowest {max(after_ms):.2f} ms; {sum(t > 1 for t in after_ms)} of "
           f"{len(after_ms)} configurations above 1 ms")
+
+
+def _child_of(before: Any) -> Callable[[np.ndarray, int], Any] | None:
+    """``before``'s per-step call of the shuffler's partition child (``solve_rows`` on
+    quantized workloads), or ``None`` for commits without it."""
+    import importlib
+
+    try:
+        fn = importlib.import_module(before.__name__ + "._balanced").solve_rows
+    except (ImportError, AttributeError):
+        return None
+    return lambda x, w: fn(x, w, quantized=True)
 
 
 def _rows_of(before: Any) -> Callable[[np.ndarray, int], np.ndarray] | None:
