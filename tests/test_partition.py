@@ -238,6 +238,21 @@ def test_bound_and_partition_against_brute_force() -> None:
     assert hits / total >= 0.95, f"optimal on {hits}/{total} tiny instances"
 
 
+@pytest.mark.parametrize("top", [3, 1 << 16, 1 << 31, (1 << 47) + 5, 1 << 50, 1 << 62])
+@pytest.mark.parametrize("n", [100, 5000])
+def test_sort_values_is_the_stable_order(top: int, n: int) -> None:
+    """Every path of sort_values (radix of 1-3 digits, packed keys, argsort) gives the stable
+    ascending order: ties by index."""
+    from balancer.partition._refine import sort_values
+
+    rng = np.random.default_rng(top % 1000 + n)
+    x = rng.integers(0, top, n, dtype=np.int64)
+    x[rng.random(n) < 0.2] = top - 1  # ties at the top digit
+    order, vals = sort_values(x)
+    np.testing.assert_array_equal(order, np.argsort(x, kind="stable"))
+    np.testing.assert_array_equal(vals, np.sort(x))
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_solve_rows_bound_equals_lower_bound(quantized: bool) -> None:
     """The shuffler's call sorts the workloads in the partition's order before its bound;

@@ -58,12 +58,10 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(order, x[order])``: ascending, ties by index, the same on every platform.
 
     Non-negative int64 below ``2**48`` from ``_RADIX_MIN_ITEMS`` items on (every
-    workload the benchmarks see) is ordered by an LSD radix sort: one stable
-    argsort of 16-bit digits per 16 bits of the largest value, lowest digit
-    first (numpy sorts 16-bit integers stably by radix). A stable order is
-    unique, so every platform gets the same one; measured on the CI box, seed
-    0 lognormal workloads: 262,144 items 13.6 -> 5.1 ms, 65,536 2.4 -> 0.8 ms,
-    8,192 0.21 -> 0.10 ms against the packed keys below. Smaller non-negative
+    workload the benchmarks see) is ordered by :func:`_radix_argsort`;
+    measured on the CI box, seed 0 lognormal workloads: 262,144 items 13.6 ->
+    5.1 ms, 65,536 2.4 -> 0.8 ms, 8,192 0.21 -> 0.10 ms against the packed
+    keys below. Smaller non-negative
     int64 below ``PACKED_KEY_LIMIT / 2**ceil(log2 N)`` is sorted as unique keys
     ``x << bits | index`` with a plain ``np.sort`` -- any algorithm, SIMD or
     not, gives the same result -- and both outputs are read back from the keys
@@ -71,14 +69,8 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     n = x.size
     bits = max(1, (n - 1).bit_length())
-    if x.dtype.kind == "i" and n >= _RADIX_MIN_ITEMS and int(x.min()) >= 0 \
-            and int(x.max()) < 1 << (16 * _RADIX_MAX_DIGITS):
-        order: np.ndarray | None = None
-        for shift in range(0, max(1, int(x.max()).bit_length()), 16):
-            digit = ((x >> shift) & 0xFFFF).astype(np.uint16)
-            order = np.argsort(digit, kind="stable") if order is None else \
-                order[np.argsort(digit[order], kind="stable")]
-        assert order is not None
+    if x.dtype.kind == "i" and n >= _RADIX_MIN_ITEMS and _radix_fits(x):
+        order = _radix_argsort(x)
         return order, x[order]
     if x.dtype.kind == "i" and n and int(x.min()) >= 0 and int(x.max()) < PACKED_KEY_LIMIT >> bits:
         keys = (x << bits) | np.arange(n, dtype=np.int64)
@@ -86,6 +78,26 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return keys & ((1 << bits) - 1), keys >> bits
     order = np.argsort(x, kind="stable")
     return order, x[order]
+
+
+def _radix_fits(keys: np.ndarray) -> bool:
+    """Whether integer ``keys`` (non-empty) can go to :func:`_radix_argsort`: all in
+    ``[0, 2**(16 * _RADIX_MAX_DIGITS))``."""
+    return int(keys.min()) >= 0 and int(keys.max()) < 1 << (16 * _RADIX_MAX_DIGITS)
+
+
+def _radix_argsort(keys: np.ndarray) -> np.ndarray:
+    """Stable ascending order of 1-D integer ``keys`` (see :func:`_radix_fits`).
+
+    LSD radix: one stable argsort of 16-bit digits per 16 bits of the largest
+    key, lowest digit first (numpy sorts 16-bit integers stably by radix, in
+    O(n)). A stable order is unique, so every platform gets the same one.
+    """
+    order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+    for shift in range(16, int(keys.max()).bit_length(), 16):
+        digit = ((keys >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit[order], kind="stable")]
+    return order
 
 
 def order_floats(keys: np.ndarray, nearly_sorted: bool = False, nonneg: bool = False) -> np.ndarray:
