@@ -7,8 +7,9 @@ part sum as small as possible; then samples move between ranks.
 Pipeline of :func:`balanced_partition` (``x`` = workloads; the steps live in
 ``_solve``):
 
-1. sort ``x`` once (tie-free keys ``x << log2 N | index``, one plain sort), and
-   compute :func:`lower_bound` from the same prefix sums;
+1. sort ``x`` once (stable: an LSD radix sort of 16-bit digits from 4,096
+   items on, tie-free keys ``x << log2 N | index`` below), and compute
+   :func:`lower_bound` from the same prefix sums;
 2. a greedy start with a cardinality cap. Up to N = 8192: LPT (largest
    item to the lightest part that still has room), with equal-size
    Karmarkar-Karp tried too when LPT misses the target (KK starts ~10x closer

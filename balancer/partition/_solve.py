@@ -1,6 +1,6 @@
 """The ``balanced_partition`` pipeline on validated workloads: sort, bound, start, refine.
 
-1. :func:`sort_values` (tie-free keys) and prefix sums, shared by the bound
+1. :func:`sort_values` (stable: radix or tie-free keys) and prefix sums, shared by the bound
    and the start;
 2. :func:`bound_sorted`: the target is ``bound * (1 + rtol)``;
 3. the start: capped LPT (``lpt``: a heap loop, or vectorised over parts for
