@@ -61,11 +61,11 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     workload the benchmarks see) is ordered by :func:`_radix_argsort`;
     measured on the CI box, seed 0 lognormal workloads: 262,144 items 13.6 ->
     5.1 ms, 65,536 2.4 -> 0.8 ms, 8,192 0.21 -> 0.10 ms against the packed
-    keys below. Smaller non-negative
-    int64 below ``PACKED_KEY_LIMIT / 2**ceil(log2 N)`` is sorted as unique keys
-    ``x << bits | index`` with a plain ``np.sort`` -- any algorithm, SIMD or
-    not, gives the same result -- and both outputs are read back from the keys
-    with a shift and a mask. Anything else takes the stable argsort.
+    keys below. Smaller non-negative int64 below ``PACKED_KEY_LIMIT /
+    2**ceil(log2 N)`` is sorted as unique keys ``x << bits | index`` with a
+    plain ``np.sort`` -- any algorithm, SIMD or not, gives the same result --
+    and both outputs are read back from the keys with a shift and a mask.
+    Anything else takes the stable argsort.
     """
     n = x.size
     bits = max(1, (n - 1).bit_length())
