@@ -28,8 +28,8 @@ import numpy as np
 from balancer._limits import PACKED_KEY_LIMIT
 from balancer.partition._polish_all import fits, polish_all
 
-__all__ = ["TIMSORT_MIN_PARTS", "order_floats", "polish", "polish_pairs", "sort_order", "sort_values",
-           "swap_rounds"]
+__all__ = ["TIMSORT_MIN_PARTS", "order_floats", "polish", "polish_pairs", "radix_fits", "radix_order",
+           "sort_order", "sort_values", "swap_rounds"]
 
 _PARTNERS = 8
 _REORDER = 8  # polish: re-sort the loads for partner choice every this many swaps
@@ -58,7 +58,7 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(order, x[order])``: ascending, ties by index, the same on every platform.
 
     Non-negative int64 below ``2**48`` from ``_RADIX_MIN_ITEMS`` items on (every
-    workload the benchmarks see) is ordered by :func:`_radix_argsort`;
+    workload the benchmarks see) is ordered by :func:`radix_order`;
     measured on the CI box, seed 0 lognormal workloads: 262,144 items 13.6 ->
     5.1 ms, 65,536 2.4 -> 0.8 ms, 8,192 0.21 -> 0.10 ms against the packed
     keys below. Smaller non-negative int64 below ``PACKED_KEY_LIMIT /
@@ -69,8 +69,8 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     n = x.size
     bits = max(1, (n - 1).bit_length())
-    if x.dtype.kind == "i" and n >= _RADIX_MIN_ITEMS and _radix_fits(x):
-        order = _radix_argsort(x)
+    if x.dtype.kind == "i" and n >= _RADIX_MIN_ITEMS and radix_fits(x):
+        order = radix_order(x)
         return order, x[order]
     if x.dtype.kind == "i" and n and int(x.min()) >= 0 and int(x.max()) < PACKED_KEY_LIMIT >> bits:
         keys = (x << bits) | np.arange(n, dtype=np.int64)
@@ -80,14 +80,14 @@ def sort_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, x[order]
 
 
-def _radix_fits(keys: np.ndarray) -> bool:
-    """Whether integer ``keys`` (non-empty) can go to :func:`_radix_argsort`: all in
+def radix_fits(keys: np.ndarray) -> bool:
+    """Whether integer ``keys`` (non-empty) can go to :func:`radix_order`: all in
     ``[0, 2**(16 * _RADIX_MAX_DIGITS))``."""
     return int(keys.min()) >= 0 and int(keys.max()) < 1 << (16 * _RADIX_MAX_DIGITS)
 
 
-def _radix_argsort(keys: np.ndarray) -> np.ndarray:
-    """Stable ascending order of 1-D integer ``keys`` (see :func:`_radix_fits`).
+def radix_order(keys: np.ndarray) -> np.ndarray:
+    """Stable ascending order of 1-D integer ``keys`` (see :func:`radix_fits`).
 
     LSD radix: one stable argsort of 16-bit digits per 16 bits of the largest
     key, lowest digit first (numpy sorts 16-bit integers stably by radix, in

@@ -12,8 +12,10 @@
    scale, where re-matching has a short budget (W > 4096 at B = 8), KK is
    the start and ``fill`` only its fallback (KK gives up on heavy tails at
    once);
-4. for ``B <= 16``, column re-matching (:mod:`balancer.partition._rematch`),
-   above N = 16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound;
+4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
+   columns up to N = 1,024, blocks of one or two columns above; above N =
+   16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
+   swaps are skipped when it gets there;
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
    single best swaps for the heaviest part, two-for-two swaps for few parts.
    Every swap keeps the item counts and never raises the max, so stopping
@@ -37,7 +39,7 @@ from balancer.partition._fill import fill
 from balancer.partition._kk import kk_equal, kk_rows
 from balancer.partition._lpt import lpt
 from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
-from balancer.partition._rematch import rematch_columns
+from balancer.partition._rematch import rematch_blocks, rematch_columns
 
 __all__ = ["Solved", "late", "solve"]
 
@@ -72,6 +74,7 @@ _ROUND_MIN_HEAVY = (4, 1)
 # 8 cycles over the columns, _REMATCH_MOVES moves, and _REMATCH_ITEMS items in all
 # (a move costs two sorts of W: 16 moves at W = 16,384, ~0.7 ms each)
 _REMATCH_MAX_B = 16
+_BLOCKS_MIN_ITEMS = 1025  # re-matching by blocks of two columns from here (rematch_blocks)
 _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
 # At scale (N > _LARGE) re-matching stops within _REMATCH_RTOL of the bound (half
@@ -82,7 +85,10 @@ _REMATCH_ITEMS = 1 << 18
 # 29.7 ms, uniform 46.8 -> 37.3 ms, 8192x8 lognormal 20.0 -> 12.6 ms; 3 seeds
 # (bench_partition.py --only scale --before 11c8634): 16384x16 uniform 1.8e-5 ->
 # 4.5e-5 above the bound, lognormal 1.1e-5 -> 3.3e-5, B = 8 lognormal 1.4e-5 ->
-# 2.9-3.5e-5; uniform B = 8 (never within 5e-5) unchanged.
+# 2.9-3.5e-5; uniform B = 8 (never within 5e-5) unchanged. Once re-matching is
+# by blocks (which takes uniform B = 8 there too) the swaps are skipped as well
+# when it ends within _REMATCH_RTOL: 32768x8 uniform 60 -> 51 ms, lognormal
+# 46 -> 40 ms and 3.3e-5 -> 4.7e-5 above the bound (throwaway A/B, 3 seeds).
 _REMATCH_RTOL = 5e-5
 # B <= _KK_FIRST_MAX_B at scale, where re-matching gets less than its full 8
 # cycles (W > 4096 at B = 8): equal-size KK (B - 1 merges of W items) starts
@@ -196,12 +202,17 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     w, b = rows.shape
     large = int(v.size > _LARGE)
     if b <= _REMATCH_MAX_B:
-        rematch_columns(v, rows, loads, target if rematch_target is None else rematch_target,
-                        _rematch_moves(w, b), stop_at)
+        # Blocks of two columns above N = 1,024; single columns below, where
+        # the blocks' extra moves would cost the 1 ms target (_BLOCKS_MIN_ITEMS).
+        rematch = rematch_blocks if v.size >= _BLOCKS_MIN_ITEMS else rematch_columns
+        rematch(v, rows, loads, target if rematch_target is None else rematch_target,
+                _rematch_moves(w, b), stop_at)
         if loads.max() <= target or late(stop_at):
             return
         if large and np.count_nonzero(loads > target) > w // _PLATEAU_PARTS:
             return
+        if large and rematch_target is not None and loads.max() <= rematch_target:
+            return  # within _REMATCH_RTOL at scale: the swaps' last step costs 5-10 ms
     steps, pair_steps = min(4 * w + 32, _POLISH_STEPS), _PAIR_STEPS
     if v.size >= _ROUNDS_MIN_ITEMS:
         swap_rounds(v, rows, loads, target, _ROUNDS[large], max(1, 256 // b), _ROUND_ITEMS[large],
