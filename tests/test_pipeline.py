@@ -281,8 +281,8 @@ def _worker_order(rank: int, world: int) -> list[str]:
 
 
 def test_hook_order() -> None:
-    skip_without_tbe("the example's sharded model")
     """Phase 1 of batch i+2 before the forward of batch i, phase 2 right after it."""
+    skip_without_tbe("the example's sharded model")
     events = run_workers(_worker_order, 2, timeout=300)[0]
     phase1 = [e for e in events if e.startswith("phase1")]
     assert len(phase1) == STEPS
@@ -302,9 +302,9 @@ def _worker_late_enqueue(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_enqueue_after_forward_still_shuffles_before_input_dist() -> None:
-    skip_without_tbe("the example's sharded model")
     """With ``enqueue_batch_after_forward`` phase 1 runs after the forward; the
     shuffle is then finished by ``start_sparse_data_dist``: same training."""
+    skip_without_tbe("the example's sharded model")
     for late, loop in run_workers(_worker_late_enqueue, 2, timeout=300):
         _assert_equal(late, loop)
 
