@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -149,6 +149,27 @@ def check_conserved(per_rank: list[list[tuple[Any, ...]]]) -> None:
         assert Counter(x for r in per_rank for x in r[case][0]) == Counter(x for r in per_rank for x in r[case][1])
 
 
+def _guards(dev: torch.device) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """:func:`no_sync` and :func:`gloo_transport_exempt` for ``dev`` = CUDA; no-ops for the CPU
+    runs of these workers."""
+    if dev.type == "cuda":
+        return no_sync, gloo_transport_exempt
+    return contextlib.nullcontext, contextlib.nullcontext
+
+
+def _shuffle_checked(shuffler: BatchShuffler, batch: Any, dev: torch.device,
+                     downstream: Callable[[Any], Any]) -> Any:
+    """Both phases on gloo ranks under the debug mode (gloo's own transport exempt in
+    phase 2), then ``downstream`` of the result under it too."""
+    guard, exempt = _guards(dev)
+    with guard():
+        h = shuffler.start_shuffle_async(batch)
+    with guard(), exempt():
+        got = shuffler.finish_shuffle(batch, h)
+        downstream(got)
+    return got
+
+
 def _gloo_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any, ...]]:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -159,12 +180,7 @@ def _gloo_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[Any
         for case in range(5):
             cpu = make_batch(rank, 7, [7, 4, 0, 7, 5][case] if rank == 1 else 7, seed=30 + case,
                              labels=["kjt", "dense", None, "kjt", "dense"][case])
-            gpu = cpu.to(dev)
-            with no_sync():
-                h = on_gpu.start_shuffle_async(gpu)
-            with no_sync(), gloo_transport_exempt():
-                got = on_gpu.finish_shuffle(gpu, h)
-                _downstream(got)
+            got = _shuffle_checked(on_gpu, cpu.to(dev), dev, _downstream)
             ref = on_cpu.shuffle(cpu)
             assert_identical(got.to(torch.device("cpu")), ref)  # bit for bit the CPU result
             out.append((rows(cpu)[: cpu.actual_batch_size], rows(ref)[: ref.actual_batch_size]))
@@ -185,12 +201,15 @@ def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[An
     the debug mode on CUDA (on CPU, where ``tests/test_tokens.py`` runs this
     worker too, the guards are no-ops)."""
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    if cuda:
+    if dev.type == "cuda":
         torch.cuda.set_device(0)
-    guard = no_sync if cuda else contextlib.nullcontext
-    exempt = gloo_transport_exempt if cuda else contextlib.nullcontext
     cost = lambda b: b.seq_lens.double() ** 2 * 1e-6  # noqa: E731 - device ops only
+
+    def downstream(got: Any) -> None:
+        got.cu_seqlens()  # what a varlen kernel takes, on the device
+        if not got.packed:
+            got.attention_mask()
+
     out = []
     for packed in (False, True):
         for comm in ("all2all", "allgather"):
@@ -198,14 +217,7 @@ def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[An
             for case in range(4):
                 cpu = token_batch(rank, 6, [6, 4, 0, 6][case] if rank == 1 else 6, seed=40 + case,
                                   packed=packed, max_len=7 + 2 * rank, pad_multiple=8)
-                batch = cpu.to(dev)
-                with guard():
-                    h = on_dev.start_shuffle_async(batch)
-                with guard(), exempt():
-                    got = on_dev.finish_shuffle(batch, h)
-                    got.cu_seqlens()  # what a varlen kernel takes, on the device
-                    if not packed:
-                        got.attention_mask()
+                got = _shuffle_checked(on_dev, cpu.to(dev), dev, downstream)
                 ref = on_cpu.shuffle(cpu)
                 host = got.to(torch.device("cpu"))
                 assert (host.batch_size, host.actual_batch_size, host.packed) == (
@@ -306,13 +318,12 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
     # phase 1 reads them once complete (query, elapsed_time), inside the hooks.
     shuffler = BatchShuffler(token_count, calibrate=calibrate) if balanced else IdentityBatchShuffler()
     pipe = BalancedTrainPipelineSparseDist(model, opt, dev, shuffler)
-    cuda = dev.type == "cuda"
+    guard, exempt = _guards(dev)
     for hook in ("_start_shuffle", "_finish_shuffles"):  # the balancing hooks, under the debug mode
         real = getattr(pipe, hook)
 
         def checked(*a: Any, _real: Any = real, **k: Any) -> Any:
-            with no_sync() if cuda else contextlib.nullcontext(), \
-                    gloo_transport_exempt() if cuda else contextlib.nullcontext():
+            with guard(), exempt():
                 return _real(*a, **k)
 
         setattr(pipe, hook, checked)
