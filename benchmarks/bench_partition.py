@@ -599,16 +599,21 @@ def small(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
           f"{len(after_ms)} configurations above 1 ms")
 
 
-def _child_of(before: Any) -> Callable[[np.ndarray, int], Any] | None:
-    """``before``'s per-step call of the shuffler's partition child (``solve_rows`` on
-    quantized workloads), or ``None`` for commits without it."""
+def _balanced_of(before: Any, name: str) -> Any:
+    """``before``'s ``_balanced.<name>``, or ``None`` for commits without it."""
     import importlib
 
     try:
-        fn = importlib.import_module(before.__name__ + "._balanced").solve_rows
+        return getattr(importlib.import_module(before.__name__ + "._balanced"), name)
     except (ImportError, AttributeError):
         return None
-    return lambda x, w: fn(x, w, quantized=True)
+
+
+def _child_of(before: Any) -> Callable[[np.ndarray, int], Any] | None:
+    """``before``'s per-step call of the shuffler's partition child (``solve_rows`` on
+    quantized workloads), or ``None`` for commits without it."""
+    fn = _balanced_of(before, "solve_rows")
+    return None if fn is None else lambda x, w: fn(x, w, quantized=True)
 
 
 def _rows_of(before: Any) -> Callable[[np.ndarray, int], np.ndarray] | None:
@@ -616,14 +621,8 @@ def _rows_of(before: Any) -> Callable[[np.ndarray, int], np.ndarray] | None:
     as an array for commits that predate it (those times include building the lists)."""
     if before is None:
         return None
-    import importlib
-
-    try:
-        fn: Callable[[np.ndarray, int], np.ndarray] = importlib.import_module(
-            before.__name__ + "._balanced").partition_rows
-        return fn
-    except (ImportError, AttributeError):
-        return lambda x, w: np.asarray(before.balanced_partition(x, w))
+    fn: Callable[[np.ndarray, int], np.ndarray] | None = _balanced_of(before, "partition_rows")
+    return fn if fn is not None else lambda x, w: np.asarray(before.balanced_partition(x, w))
 
 
 def scaling_curves(before: Any, emit: Callable[[dict[str, Any]], None], plot: str | None,
