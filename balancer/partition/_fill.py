@@ -64,7 +64,8 @@ _TAIL_STEPS = 8
 
 
 def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
-         rows_per_step: int, alternate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+         rows_per_step: int, alternate: bool = False,
+         start: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Projected-load greedy on ascending ``vals``; see the module docstring.
 
     Args:
@@ -77,6 +78,12 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
         alternate: full rounds within a step alternate direction (lightest
             part first, then heaviest first) instead of always serving the
             lightest first, which hands it the largest item of every round.
+        start: optional ``(rows, load, slots, pos)`` for parts that already
+            hold items: ``rows`` [W, N / W] has part ``j``'s items in its last
+            ``N / W - slots[j]`` places (ascending, all at positions ``>= pos``)
+            and ``load`` [W] their sums; ``vals[:pos]`` are dealt into the
+            free places, and ``rows`` is filled in place
+            (:mod:`balancer.partition._crowded_start`).
 
     Returns:
         ``(rows, loads)``: [W, N / W] int64 sorted positions per part (each row
@@ -85,13 +92,20 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
     n = vals.size
     w = num_parts
     cap = n // w
-    flat = np.empty(n, np.int64)
     is_int = vals.dtype.kind != "f"
-    ids = np.arange(w, dtype=np.int64)  # open parts, in the order of the last sort
-    load = np.zeros(w, vals.dtype)  # exact for integers
-    slots = np.full(w, cap, np.int64)
-    loads = np.zeros(w, vals.dtype)  # by part id, filled in as parts close
-    pos = n  # vals[:pos] are still to be dealt, largest first
+    if start is None:
+        flat = np.empty(n, np.int64)
+        ids = np.arange(w, dtype=np.int64)  # open parts, in the order of the last sort
+        load = np.zeros(w, vals.dtype)  # exact for integers
+        slots = np.full(w, cap, np.int64)
+        loads = np.zeros(w, vals.dtype)  # by part id, filled in as parts close
+        pos = n  # vals[:pos] are still to be dealt, largest first
+    else:
+        rows0, load0, slots0, pos = start
+        flat = rows0.reshape(-1)  # a view: filled in place
+        ids = np.flatnonzero(slots0 > 0)
+        load, slots = load0[ids].astype(vals.dtype), slots0[ids].astype(np.int64)
+        loads = load0.astype(vals.dtype)  # by part id; parts full from the start keep theirs
     while pos > 0:
         x0 = vals[pos - 1]
         if x0 == 0:

@@ -1,0 +1,170 @@
+"""A second start for crowded parts: the large fillers packed first, into the parts that need them.
+
+Truncated lengths put many samples at one largest cost (the top tie block of
+``K`` "big" items, see :mod:`balancer.partition._crowded`). With ``c =
+ceil(K / W) >= 2`` and no part able to hold ``c + 1`` of them under the
+target ``T``, ``a = K - (c - 1) W`` parts hold ``c`` big items and the other
+``W - a`` hold ``c - 1``. A part of the first kind has room for fillers up to
+``cap = T - c v_K - S(B - c - 1)`` only, so every other item above ``cap``
+(the *forced* items) lies in a part of the second kind. Where the parts are
+full (mean load near the bound), that class is as full as the bound allows:
+the forced items must be split into ``W - a`` nearly equal *cores* (a core
+above its share pushes its part over ``T``; one below it takes larger
+fillers, which push the class's total up).
+
+The regular start (:func:`~balancer.partition._fill.fill`) deals the large
+items to the parts with the lowest projected load ``load + slots * mean``.
+On Zipf lengths the mean of what is left is far above the typical item, so
+parts of the second kind take one large item too many (two clipped samples
+and lengths 3561, 1730, 1131, then eleven of length 1) and end ~1 % over the
+bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
+1.4e-2 after refinement). Here:
+
+1. the forced items, each less the smallest item (the filler it displaces),
+   are packed into ``W - a`` cores by *bin completion*: a core opens with
+   the largest item left and takes the largest item that brings it within
+   ``_CORE_CLOSE`` of its goal (``_CORE_OVER`` above the mean core), else
+   the largest that leaves room for one more item; what no core takes goes
+   to the lightest cores with room;
+2. every part gets its big items and core, and ``fill`` deals the rest from
+   those loads.
+
+Re-matching then does the rest; swaps find nothing to trade after it.
+:func:`balancer.partition._solve.solve` uses this start alone at scale
+(N > 16,384, B <= 16) and elsewhere as a second try where the regular
+result ends more than ``MISS`` above the bound, keeping the better one.
+Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts".
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+import numpy as np
+
+from balancer.partition._fill import fill
+
+__all__ = ["MISS", "crowded_start"]
+
+MISS = 1e-3  # solve tries this start when its regular result ends above bound * (1 + MISS)
+_CORE_OVER = 1e-3  # core goal: the mean core plus this much of the bound
+_CORE_CLOSE = 1e-4  # a core within this much of the bound below its goal is closed
+# The start is for full parts: mean load within 10 % of the bound. Below that the
+# bound is set by single items (a part holding the largest one and the smallest
+# fillers), and the regular path meets it (lognormal: mean 0.19-0.74 of the
+# bound at N = 262,144, Zipf 32768x8: 0.77; Zipf at B >= 16: 0.95-1.0).
+_FULL = 0.9
+
+
+def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int | float,
+                  bound: int | float, rows_per_step: int,
+                  alternate: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows and loads of the crowded start on ascending ``v``, or ``None`` where the top
+    tie block does not crowd the parts.
+
+    Args:
+        v: [N] workloads sorted ascending (int64 or float64).
+        num_parts: W.
+        prefix: [N + 1] prefix sums of ``v``.
+        target: the partition's target (``bound * (1 + rtol)``).
+        bound: ``lower_bound`` of ``v``.
+        rows_per_step, alternate: ``fill``'s arguments for the fillers left after the cores.
+
+    Returns:
+        ``(rows, loads)``: [W, N / W] sorted positions per part (each row
+        ascending) and [W] part loads.
+    """
+    n, w = v.size, num_parts
+    b = n // w
+    k = n - int(np.searchsorted(v, v[-1], side="left"))
+    c = -(-k // w)
+    if c < 2 or c >= b or k % w == 0 or (c + 1) * v[-1] + prefix[b - c - 1] <= target \
+            or prefix[n] < _FULL * w * bound:
+        return None
+    low, m = v[-1], n - k
+    a = k - (c - 1) * w  # parts with c big items: 0..a-1; the others hold c - 1
+    keep = int(np.searchsorted(v[:m], target - c * low - prefix[b - c - 1], side="right"))
+    free = b - c + 1  # filler places of a part with c - 1 big items
+    if m - keep > (w - a) * free:
+        return None
+    cores = _cores(v[keep:m] - v[0], w - a, bound, free)
+    # Part j's first ``held[j]`` items, in its last places and ascending: its core
+    # (parts a.. hold cores 0..), then its big items.
+    core_size = np.zeros(w, np.int64)
+    core_size[a:] = np.bincount(cores, minlength=w - a)
+    held = core_size + c
+    held[a:] -= 1
+    part = np.repeat(np.arange(w), held)
+    offset = np.arange(part.size) - np.repeat(np.cumsum(held) - held, held)
+    in_core = offset < core_size[part]
+    items = np.empty(part.size, np.int64)
+    items[in_core] = np.argsort(cores, kind="stable") + keep  # by core, ascending within one
+    items[~in_core] = np.arange(m, n)
+    rows = np.empty((w, b), np.int64)
+    rows[part, (b - held)[part] + offset] = items
+    load = np.zeros(w, v.dtype)
+    np.add.at(load, part, v[items])  # exact for integers
+    return fill(v, w, prefix, rows_per_step, alternate, start=(rows, load, b - held, keep))
+
+
+def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarray:
+    """Core (``0..bins-1``) of every item of ascending ``f``, by bin completion (module docstring).
+
+    The pool is kept as its distinct values and their counts (equal items are
+    interchangeable): 16384x16 Zipf has ~15,000 forced items but ~3,000 values.
+    """
+    goal = float(f.sum()) / bins + _CORE_OVER * bound
+    close = _CORE_CLOSE * bound
+    values, sizes = np.unique(f, return_counts=True)
+    vals = values.tolist()  # the distinct values left, ascending
+    ids = list(range(len(vals)))  # their index in ``values``
+    left = sizes.tolist()  # items left per value
+    took: list[int] = []  # value index of every item taken, in order
+    core: list[int] = []  # ... and its core
+    sums = [0] * bins
+    counts = [0] * bins
+    for j in range(bins):
+        if not vals:
+            break
+        p = len(vals)  # a core opens with the largest item left
+        q = 0
+        s = 0
+        while True:
+            d = ids[p - 1]
+            s += vals[p - 1]
+            took.append(d)
+            core.append(j)
+            q += 1
+            left[d] -= 1
+            if not left[d]:
+                del vals[p - 1], ids[p - 1]
+            gap = goal - s
+            if not vals or q == free or gap <= close:
+                break
+            p = bisect.bisect_right(vals, gap)
+            if p == 0:
+                break
+            if vals[p - 1] < gap - close and q + 1 < free:
+                # No item closes the core: take the largest that leaves room for another.
+                p = bisect.bisect_right(vals, gap - vals[0]) or p
+        sums[j], counts[j] = s, q
+    # What no core took: the largest first to the lightest core with room.
+    heap = [(sums[j], j) for j in range(bins) if counts[j] < free]
+    heapq.heapify(heap)
+    while vals:
+        s, j = heapq.heappop(heap)
+        d = ids[-1]
+        s += vals[-1]
+        took.append(d)
+        core.append(j)
+        left[d] -= 1
+        if not left[d]:
+            del vals[-1], ids[-1]
+        counts[j] += 1
+        if counts[j] < free:
+            heapq.heappush(heap, (s, j))
+    # Every item was taken once: sorted by value (stably), the takes list the
+    # items in the order of ``f``.
+    out: np.ndarray = np.asarray(core, np.int64)[np.argsort(np.asarray(took, np.int64), kind="stable")]
+    return out
