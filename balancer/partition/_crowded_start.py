@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +105,8 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     rows = np.empty((w, b), np.int64)
     rows[part, (b - held)[part] + offset] = items
     load = np.zeros(w, v.dtype)
-    np.add.at(load, part, v[items])  # exact for integers
+    some = held > 0
+    load[some] = np.add.reduceat(v[items], (np.cumsum(held) - held)[some])  # exact for integers
     return fill(v, w, prefix, rows_per_step, alternate, start=(rows, load, b - held, keep))
 
 
@@ -118,9 +120,8 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarra
     close = _CORE_CLOSE * bound
     values, sizes = np.unique(f, return_counts=True)
     vals = values.tolist()  # the distinct values left, ascending
-    ids = list(range(len(vals)))  # their index in ``values``
     left = sizes.tolist()  # items left per value
-    took: list[int] = []  # value index of every item taken, in order
+    took: list[Any] = []  # the value of every item taken, in order
     core: list[int] = []  # ... and its core
     sums = [0] * bins
     counts = [0] * bins
@@ -131,14 +132,15 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarra
         q = 0
         s = 0
         while True:
-            d = ids[p - 1]
-            s += vals[p - 1]
-            took.append(d)
+            x = vals[p - 1]
+            s += x
+            took.append(x)
             core.append(j)
             q += 1
-            left[d] -= 1
-            if not left[d]:
-                del vals[p - 1], ids[p - 1]
+            if left[p - 1] == 1:
+                del vals[p - 1], left[p - 1]
+            else:
+                left[p - 1] -= 1
             gap = goal - s
             if not vals or q == free or gap <= close:
                 break
@@ -154,17 +156,17 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarra
     heapq.heapify(heap)
     while vals:
         s, j = heapq.heappop(heap)
-        d = ids[-1]
-        s += vals[-1]
-        took.append(d)
+        x = vals[-1]
+        took.append(x)
         core.append(j)
-        left[d] -= 1
-        if not left[d]:
-            del vals[-1], ids[-1]
+        if left[-1] == 1:
+            del vals[-1], left[-1]
+        else:
+            left[-1] -= 1
         counts[j] += 1
         if counts[j] < free:
-            heapq.heappush(heap, (s, j))
+            heapq.heappush(heap, (s + x, j))
     # Every item was taken once: sorted by value (stably), the takes list the
     # items in the order of ``f``.
-    out: np.ndarray = np.asarray(core, np.int64)[np.argsort(np.asarray(took, np.int64), kind="stable")]
+    out: np.ndarray = np.asarray(core, np.int64)[np.argsort(np.asarray(took, f.dtype), kind="stable")]
     return out
