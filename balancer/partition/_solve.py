@@ -187,8 +187,9 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     loose = bound * (1 + _REMATCH_RTOL) if n > _LARGE else target
     loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
     if loads.max() > target:
-        # After the crowded start the swaps are skipped (B <= 16): they found nothing to
-        # trade on Zipf 16384x16 (throwaway runs, 3 seeds).
+        # After the crowded start at scale the swaps are skipped: they found
+        # nothing to trade on Zipf 16384x16 (throwaway runs, 3 seeds). Below
+        # N = 16,384 they help it (1024x16 seed 2: 1.3e-4 -> 1.4e-5).
         refine(v, rows, loads, target, stop_at, loose, swaps=crowded is None)
     if not first and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
         # Far above the bound: try the crowded start (None where the top tie
@@ -196,7 +197,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate)
         if crowded is not None:
             rows2, loads2 = crowded
-            refine(v, rows2, loads2, target, stop_at, loose, swaps=False)
+            refine(v, rows2, loads2, target, stop_at, loose)
             if loads2.max() < loads.max():
                 rows, loads = rows2, loads2
     return Solved(order, v, rows, loads, bound)
