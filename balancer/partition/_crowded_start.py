@@ -30,9 +30,9 @@ bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
    those loads.
 
 Re-matching then does the rest; swaps find nothing to trade after it.
-:func:`balancer.partition._solve.solve` uses this start alone at scale
-(N > 16,384, B <= 16) and elsewhere as a second try where the regular
-result ends more than ``MISS`` above the bound, keeping the better one.
+:func:`balancer.partition._solve.solve` uses this start alone above N =
+131,072 (B <= 16) and elsewhere as a second try where the regular result
+ends more than ``MISS`` above the bound, keeping the better one.
 Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts".
 """
 

@@ -13,8 +13,8 @@
    the start and ``fill`` only its fallback (KK gives up on heavy tails at
    once). Where the top tie block crowds full parts (Zipf lengths clipped at
    a maximum, :mod:`balancer.partition._crowded_start`), the crowded start:
-   alone at scale with B <= 16, elsewhere a second try when the result ends
-   more than 1e-3 above the bound (the better one is kept);
+   alone above N = 131,072 with B <= 16, elsewhere a second try when the
+   result ends more than 1e-3 above the bound (the better one is kept);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
    columns up to N = 1,024, blocks of one or two columns above; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
@@ -113,6 +113,14 @@ _KK_FIRST_MAX_B = 8
 # 2.66e-4 -> 2.63e-4 above the bound) for 2-16 ms; below it (Zipf, lognormal,
 # B = 16 mostly) they can do more, and stay.
 _PLATEAU_PARTS = 4
+# The crowded start (_crowded_start) runs alone from here (B <= 16): both
+# starts cost ~74 ms at 16384x16 Zipf on the slow CI box, and the regular one
+# lost there on 8 of 8 seeds (7e-3 to 2.4e-2 against 9e-4 to 2.1e-3). Below,
+# it is a second try, since the regular path wins on some seeds (4096x16
+# seed 0: 1.4e-4 against 1.3e-3). After it, the swaps run only up to N =
+# 16,384: at 16384x16 they found nothing to trade (throwaway runs, 3 seeds),
+# below they help (1024x16 seed 2: 1.3e-4 -> 1.4e-5).
+_CROWDED_FIRST_ITEMS = 1 << 17
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 # Up to N = 1,024 the refinement is all call overhead (a round ~60 numpy calls,
@@ -162,10 +170,10 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     if v.dtype.kind == "i":
         target = int(target)
     alternate = b <= _FILL_TWO_ROWS_MAX_B
-    # At scale with B <= 16, a top tie block that crowds the parts gets the
-    # crowded start alone (None elsewhere: a few scalar tests); elsewhere it is
-    # a second try where the regular path ends far above the bound.
-    first = n > _LARGE and b <= _REMATCH_MAX_B
+    # From N = 131,072 at B <= 16, a top tie block that crowds the parts gets
+    # the crowded start alone (None elsewhere: a few scalar tests); elsewhere
+    # it is a second try where the regular path ends far above the bound.
+    first = n > _CROWDED_FIRST_ITEMS and b <= _REMATCH_MAX_B
     crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate) if first else None
     # B <= 8 at scale with a short re-matching budget: KK first (_KK_FIRST_MAX_B).
     kk_first = crowded is None and n > _LPT_MAX_ITEMS and b <= _KK_FIRST_MAX_B and _rematch_moves(w, b) < 8 * b
@@ -187,9 +195,6 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     loose = bound * (1 + _REMATCH_RTOL) if n > _LARGE else target
     loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
     if loads.max() > target:
-        # After the crowded start at scale the swaps are skipped: they found
-        # nothing to trade on Zipf 16384x16 (throwaway runs, 3 seeds). Below
-        # N = 16,384 they help it (1024x16 seed 2: 1.3e-4 -> 1.4e-5).
         refine(v, rows, loads, target, stop_at, loose, swaps=crowded is None)
     if not first and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
         # Far above the bound: try the crowded start (None where the top tie
@@ -197,7 +202,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate)
         if crowded is not None:
             rows2, loads2 = crowded
-            refine(v, rows2, loads2, target, stop_at, loose)
+            refine(v, rows2, loads2, target, stop_at, loose, swaps=n <= _LARGE)
             if loads2.max() < loads.max():
                 rows, loads = rows2, loads2
     return Solved(order, v, rows, loads, bound)
