@@ -147,6 +147,8 @@ def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target
     """
     b = rows.shape[1]
     cur = loads.max()
+    if cur <= target:
+        return 0  # before the column-major copies (~2.6 ms at 32768x8 on the CI box)
     idle = 0  # moves in a row that did not lower the max
     tried = kept = 0
     blocks = _blocks(b)
