@@ -2,8 +2,8 @@
 
 Truncated lengths put many samples at one largest cost (the top tie block of
 ``K`` "big" items, see :mod:`balancer.partition._crowded`). With ``c =
-ceil(K / W) >= 2`` and no part able to hold ``c + 1`` of them under the
-target ``T``, ``a = K - (c - 1) W`` parts hold ``c`` big items and the other
+ceil(K / W)`` (at least ``min_big``) and no part able to hold ``c + 1`` of
+them under the target ``T``, ``a = K - (c - 1) W`` parts hold ``c`` big items and the other
 ``W - a`` hold ``c - 1``. A part of the first kind has room for fillers up to
 ``cap = T - c v_K - S(B - c - 1)`` only, so every other item above ``cap``
 (the *forced* items) lies in a part of the second kind. Where the parts are
@@ -31,8 +31,10 @@ bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
 
 Re-matching then does the rest; swaps find nothing to trade after it.
 :func:`balancer.partition._solve.solve` uses this start alone above N =
-131,072 (B <= 16) and elsewhere as a second try where the regular result
-ends more than ``MISS`` above the bound, keeping the better one.
+131,072 (B <= 16, ``c >= 2``: Zipf) and otherwise as a second try where the
+regular result ends more than ``MISS`` above the bound (from N = 1,025 and
+with ``c >= 1``: uniform 65536x4 then goes from 1.6e-3 to 4.6e-3 above the
+bound to 0.9e-4 to 1.4e-4), keeping the better one.
 Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts".
 """
 
@@ -59,8 +61,8 @@ _FULL = 0.9
 
 
 def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int | float,
-                  bound: int | float, rows_per_step: int,
-                  alternate: bool) -> tuple[np.ndarray, np.ndarray] | None:
+                  bound: int | float, rows_per_step: int, alternate: bool,
+                  min_big: int = 2) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows and loads of the crowded start on ascending ``v``, or ``None`` where the top
     tie block does not crowd the parts.
 
@@ -71,6 +73,7 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
         target: the partition's target (``bound * (1 + rtol)``).
         bound: ``lower_bound`` of ``v``.
         rows_per_step, alternate: ``fill``'s arguments for the fillers left after the cores.
+        min_big: the fewest big items per part (``c``) the start takes on.
 
     Returns:
         ``(rows, loads)``: [W, N / W] sorted positions per part (each row
@@ -80,7 +83,7 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     b = n // w
     k = n - int(np.searchsorted(v, v[-1], side="left"))
     c = -(-k // w)
-    if c < 2 or c >= b or k % w == 0 or (c + 1) * v[-1] + prefix[b - c - 1] <= target \
+    if c < min_big or c >= b or k % w == 0 or (c + 1) * v[-1] + prefix[b - c - 1] <= target \
             or prefix[n] < _FULL * w * bound:
         return None
     low, m = v[-1], n - k

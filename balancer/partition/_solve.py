@@ -13,8 +13,9 @@
    the start and ``fill`` only its fallback (KK gives up on heavy tails at
    once). Where the top tie block crowds full parts (Zipf lengths clipped at
    a maximum, :mod:`balancer.partition._crowded_start`), the crowded start:
-   alone above N = 131,072 with B <= 16, elsewhere a second try when the
-   result ends more than 1e-3 above the bound (the better one is kept);
+   alone above N = 131,072 with B <= 16, otherwise a second try from N =
+   1,025 when the result ends more than 1e-3 above the bound (the better
+   one is kept; uniform B = 4 has such a block too);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
    columns up to N = 1,024, blocks of one or two columns above; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
@@ -119,7 +120,12 @@ _PLATEAU_PARTS = 4
 # it is a second try, since the regular path wins on some seeds (4096x16
 # seed 0: 1.4e-4 against 1.3e-3). After it, the swaps run only up to N =
 # 16,384: at 16384x16 they found nothing to trade (throwaway runs, 3 seeds),
-# below they help (1024x16 seed 2: 1.3e-4 -> 1.4e-5).
+# below they help (1024x16 seed 2: 1.3e-4 -> 1.4e-5). The second try also takes
+# one big item per part (c = 1: uniform B = 4, whose length-4096 samples cannot
+# share a part): 65536x4 uniform 1.6e-3..4.6e-3 -> 0.9e-4..1.4e-4 above the bound
+# (tests' generator, 4 seeds), at 2-3x the time of those calls (85-125 ->
+# 245-285 ms as partition_rows on the slow CI box). Not below N = 1,025, where
+# it would cost the 1 ms target (256x4 uniform 1.0 -> 3.6 ms, quality unchanged).
 _CROWDED_FIRST_ITEMS = 1 << 17
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
@@ -196,10 +202,12 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
     if loads.max() > target:
         refine(v, rows, loads, target, stop_at, loose, swaps=crowded is None)
-    if not first and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
+    if crowded is None and n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) \
+            and not late(stop_at):
         # Far above the bound: try the crowded start (None where the top tie
-        # block does not crowd the parts) and keep the better partition.
-        crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate)
+        # block does not crowd the parts), here also with one big item per
+        # part or none, and keep the better partition.
+        crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, min_big=1)
         if crowded is not None:
             rows2, loads2 = crowded
             refine(v, rows2, loads2, target, stop_at, loose, swaps=n <= _LARGE)
