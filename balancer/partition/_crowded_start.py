@@ -18,14 +18,20 @@ On Zipf lengths the mean of what is left is far above the typical item, so
 parts of the second kind take one large item too many (two clipped samples
 and lengths 3561, 1730, 1131, then eleven of length 1) and end ~1 % over the
 bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
-1.4e-2 after refinement). Here:
+1.4e-2 after refinement; with this start 3.6e-5 to 1.4e-4). Here:
 
 1. the forced items, each less the smallest item (the filler it displaces),
-   are packed into ``W - a`` cores by *bin completion*: a core opens with
-   the largest item left and takes the largest item that brings it within
-   ``_CORE_CLOSE`` of its goal (``_CORE_OVER`` above the mean core), else
-   the largest that leaves room for one more item; what no core takes goes
-   to the lightest cores with room;
+   are packed into ``W - a`` cores. First by *bin completion*: a core opens
+   with the largest item left and takes the largest item that brings it
+   within ``_CORE_CLOSE`` of its goal (``_CORE_OVER`` above the mean core),
+   else the largest that leaves room for one more item. Completion works
+   while large items open the cores and small ones close them; once the
+   items left are all small it starts to miss (the pool has no item of the
+   size a gap needs), and every miss pushes the cores after it up. So at the
+   first miss with the largest item left below ``goal / _TAIL_MISS``, the
+   items left (the *tail*, three or more per core) go to the cores left as
+   one equal-count partition (``split``: the library's own pipeline), which
+   evens them out to ~1e-5;
 2. every part gets its big items and core, and ``fill`` deals the rest from
    those loads.
 
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,8 +58,20 @@ from balancer.partition._fill import fill
 __all__ = ["MISS", "crowded_start"]
 
 MISS = 1e-3  # solve tries this start when its regular result ends above bound * (1 + MISS)
-_CORE_OVER = 1e-3  # core goal: the mean core plus this much of the bound
+_CORE_OVER = 1e-4  # core goal: the mean core plus this much of the bound
 _CORE_CLOSE = 1e-4  # a core within this much of the bound below its goal is closed
+# Bin completion stops at the first core that misses its goal once the largest
+# sample left is below goal / _TAIL_MISS (and at goal / _TAIL_ALWAYS in any
+# case); the samples left are then split by an equal-count partition into the
+# cores left, which then hold _TAIL_MISS or more samples each. Zipf 16384x16, 8
+# seeds (throwaway runs): (3, 6) ends 3.6e-5 to 1.4e-4 above the bound, median
+# 8.7e-5; (2, 4) 7.8e-5 to 4.9e-4, median 2.1e-4; a fixed switch at goal / 6
+# 2.3e-5 to 6.7e-3 (the cores before it had missed 1.85 bounds in sum on seed
+# 4, which the tail then carried); no tail (every core by completion, the
+# samples no core takes to the lightest cores) needed a goal 1e-3 above the
+# mean and ended 9.2e-4 to 2.1e-3.
+_TAIL_MISS = 3
+_TAIL_ALWAYS = 6
 # The start is for full parts: mean load within 10 % of the bound. Below that the
 # bound is set by single items (a part holding the largest one and the smallest
 # fillers), and the regular path meets it (lognormal: mean 0.19-0.74 of the
@@ -62,6 +81,7 @@ _FULL = 0.9
 
 def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int | float,
                   bound: int | float, rows_per_step: int, alternate: bool,
+                  split: Callable[[np.ndarray, int], np.ndarray],
                   min_big: int = 2) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows and loads of the crowded start on ascending ``v``, or ``None`` where the top
     tie block does not crowd the parts.
@@ -73,6 +93,9 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
         target: the partition's target (``bound * (1 + rtol)``).
         bound: ``lower_bound`` of ``v``.
         rows_per_step, alternate: ``fill``'s arguments for the fillers left after the cores.
+        split: ``split(x, parts)``, part labels of an equal-count partition of
+            ascending ``x`` (the cores' tail; :func:`balancer.partition._solve.solve`
+            passes its own pipeline).
         min_big: the fewest big items per part (``c``) the start takes on.
 
     Returns:
@@ -92,7 +115,7 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     free = b - c + 1  # filler places of a part with c - 1 big items
     if m - keep > (w - a) * free:
         return None
-    cores = _cores(v[keep:m] - v[0], w - a, bound, free)
+    cores = _cores(v[keep:m] - v[0], w - a, bound, free, split)
     # Part j's first ``held[j]`` items, in its last places and ascending: its core
     # (parts a.. hold cores 0..), then its big items.
     core_size = np.zeros(w, np.int64)
@@ -113,8 +136,10 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     return fill(v, w, prefix, rows_per_step, alternate, start=(rows, load, b - held, keep))
 
 
-def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarray:
-    """Core (``0..bins-1``) of every item of ascending ``f``, by bin completion (module docstring).
+def _cores(f: np.ndarray, bins: int, bound: int | float, free: int,
+           split: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
+    """Core (``0..bins-1``) of every item of ascending ``f``: bin completion, then an
+    equal-count split of the tail (module docstring, ``_TAIL_MISS``).
 
     The pool is kept as its distinct values and their counts (equal items are
     interchangeable): 16384x16 Zipf has ~15,000 forced items but ~3,000 values.
@@ -128,9 +153,9 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarra
     core: list[int] = []  # ... and its core
     sums = [0] * bins
     counts = [0] * bins
-    for j in range(bins):
-        if not vals:
-            break
+    j = 0
+    while j < bins and vals and vals[-1] * _TAIL_ALWAYS >= goal:
+        top = vals[-1]
         p = len(vals)  # a core opens with the largest item left
         q = 0
         s = 0
@@ -154,21 +179,39 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int) -> np.ndarra
                 # No item closes the core: take the largest that leaves room for another.
                 p = bisect.bisect_right(vals, gap - vals[0]) or p
         sums[j], counts[j] = s, q
-    # What no core took: the largest first to the lightest core with room.
-    heap = [(sums[j], j) for j in range(bins) if counts[j] < free]
+        j += 1
+        if goal - s > close and top * _TAIL_MISS < goal:
+            break
+    rest = np.repeat(np.asarray(vals, f.dtype), np.asarray(left, np.int64))  # ascending
+    tail = bins - j
+    per = -(-rest.size // tail) if tail else free + 1
+    if rest.size and per <= free:
+        # The tail: an equal-count partition of what is left (zeros pad it; a
+        # zero stands for a place the fillers take), one part per core left.
+        pad = per * tail - rest.size
+        if tail == 1 or per == 1:
+            labels = np.repeat(np.arange(tail), per)
+        else:
+            labels = split(np.concatenate([np.zeros(pad, f.dtype), rest]), tail)
+        took += rest.tolist()
+        core += (labels[pad:] + j).tolist()
+        vals = []
+    # What no core took (a tail too long for its cores): the largest first to
+    # the lightest core with room.
+    heap = [(sums[i], i) for i in range(bins) if counts[i] < free]
     heapq.heapify(heap)
     while vals:
-        s, j = heapq.heappop(heap)
+        s, i = heapq.heappop(heap)
         x = vals[-1]
         took.append(x)
-        core.append(j)
+        core.append(i)
         if left[-1] == 1:
             del vals[-1], left[-1]
         else:
             left[-1] -= 1
-        counts[j] += 1
-        if counts[j] < free:
-            heapq.heappush(heap, (s + x, j))
+        counts[i] += 1
+        if counts[i] < free:
+            heapq.heappush(heap, (s + x, i))
     # Every item was taken once: sorted by value (stably), the takes list the
     # items in the order of ``f``.
     out: np.ndarray = np.asarray(core, np.int64)[np.argsort(np.asarray(took, f.dtype), kind="stable")]

@@ -47,7 +47,7 @@ from balancer.partition._lpt import lpt
 from balancer.partition._refine import polish, polish_pairs, sort_values, swap_rounds
 from balancer.partition._rematch import rematch_blocks, rematch_columns
 
-__all__ = ["Solved", "late", "solve"]
+__all__ = ["Solved", "equal_labels", "late", "solve"]
 
 _LPT_MAX_ITEMS = 8192  # capped LPT (heap, or vectorised over parts for W >= 40) up to here
 _KK_MAX_ITEMS = 16384  # try equal-size KK as a second start up to here
@@ -115,18 +115,20 @@ _KK_FIRST_MAX_B = 8
 # B = 16 mostly) they can do more, and stay.
 _PLATEAU_PARTS = 4
 # The crowded start (_crowded_start) runs alone from here (B <= 16): both
-# starts cost ~74 ms at 16384x16 Zipf on the slow CI box, and the regular one
-# lost there on 8 of 8 seeds (7e-3 to 2.4e-2 against 9e-4 to 2.1e-3). Below,
-# it is a second try, since the regular path wins on some seeds (4096x16
-# seed 0: 1.4e-4 against 1.3e-3). After it, the swaps run only up to N =
-# 16,384: at 16384x16 they found nothing to trade (throwaway runs, 3 seeds),
-# below they help (1024x16 seed 2: 1.3e-4 -> 1.4e-5). The second try also takes
+# starts would cost ~90 ms at 16384x16 Zipf on the slow CI box, and the
+# regular one lost there on 8 of 8 seeds (7e-3 to 2.4e-2 against 3.6e-5 to
+# 1.4e-4). Below, it is a second try where the regular result misses 1e-3
+# (the cheaper regular path is often close: 4096x16 seed 0 ends 1.4e-4).
+# After it, the swaps run only up to N = 16,384: at 16384x16 they found
+# nothing to trade (throwaway runs, 3 seeds), below they help (1024x16 seed
+# 2: 1.3e-4 -> 1.4e-5, with the eleventh pass's cores). The second try also takes
 # one big item per part (c = 1: uniform B = 4, whose length-4096 samples cannot
 # share a part): 65536x4 uniform 1.6e-3..4.6e-3 -> 0.9e-4..1.4e-4 above the bound
 # (tests' generator, 4 seeds), at 2-3x the time of those calls (85-125 ->
 # 245-285 ms as partition_rows on the slow CI box). Not below N = 1,025, where
 # it would cost the 1 ms target (256x4 uniform 1.0 -> 3.6 ms, quality unchanged).
 _CROWDED_FIRST_ITEMS = 1 << 17
+_TAIL_RTOL = 1e-4  # the crowded start's tail (equal_labels): same quality as 1e-5 on Zipf 16384x16 (8 seeds)
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 # Up to N = 1,024 the refinement is all call overhead (a round ~60 numpy calls,
@@ -180,7 +182,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     # the crowded start alone (None elsewhere: a few scalar tests); elsewhere
     # it is a second try where the regular path ends far above the bound.
     first = n > _CROWDED_FIRST_ITEMS and b <= _REMATCH_MAX_B
-    crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate) if first else None
+    crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels) if first else None
     # B <= 8 at scale with a short re-matching budget: KK first (_KK_FIRST_MAX_B).
     kk_first = crowded is None and n > _LPT_MAX_ITEMS and b <= _KK_FIRST_MAX_B and _rematch_moves(w, b) < 8 * b
     started = _kk_start(v, w) if kk_first else crowded
@@ -207,13 +209,23 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         # Far above the bound: try the crowded start (None where the top tie
         # block does not crowd the parts), here also with one big item per
         # part or none, and keep the better partition.
-        crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, min_big=1)
+        crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels, min_big=1)
         if crowded is not None:
             rows2, loads2 = crowded
             refine(v, rows2, loads2, target, stop_at, loose, swaps=n <= _LARGE)
             if loads2.max() < loads.max():
                 rows, loads = rows2, loads2
     return Solved(order, v, rows, loads, bound)
+
+
+def equal_labels(x: np.ndarray, parts: int) -> np.ndarray:
+    """Part (``0..parts-1``) of every item of ``x`` in :func:`solve`'s partition into
+    ``parts`` equal counts (``parts >= 2``, ``x.size / parts >= 2``): the crowded
+    start's tail."""
+    sol = solve(x, parts, _TAIL_RTOL)
+    out = np.empty(x.size, np.int64)
+    out[sol.order[sol.rows].ravel()] = np.repeat(np.arange(parts), x.size // parts)
+    return out
 
 
 def _fill_rows(b: int) -> int:
