@@ -711,6 +711,8 @@ def test_crowded_parts_end_near_the_bound(w: int, b: int, limit: float) -> None:
         _check_parts(parts, x.size, w)
         gap = _max_load(x, parts) / lower_bound(x, w) - 1
         assert gap <= limit, f"zipf {w}x{b} seed {seed}: max/bound - 1 = {gap:.2e}"
+        if seed == 0:
+            assert balanced_partition(x.tolist(), w) == parts, "every rank computes the same partition"
 
 
 def test_crowded_start_gives_the_big_items_and_forced_fillers_their_parts() -> None:
