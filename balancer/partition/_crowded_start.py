@@ -30,8 +30,9 @@ bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
    size a gap needs), and every miss pushes the cores after it up. So at the
    first miss with the largest item left below ``goal / _TAIL_MISS``, the
    items left (the *tail*, three or more per core) go to the cores left as
-   one equal-count partition (``split``: the library's own pipeline), which
-   evens them out to ~1e-5;
+   one equal-count partition (``split``: the library's own pipeline); on
+   Zipf 16384x16 seed 0 its heaviest core ends 5.1e-4 of the bound above
+   their mean, and ``fill`` and re-matching even out the rest;
 2. every part gets its big items and core, and ``fill`` deals the rest from
    those loads.
 

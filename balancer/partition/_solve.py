@@ -120,8 +120,8 @@ _PLATEAU_PARTS = 4
 # 1.4e-4). Below, it is a second try where the regular result misses 1e-3
 # (the cheaper regular path is often close: 4096x16 seed 0 ends 1.4e-4).
 # After it, the swaps run only up to N = 16,384: at 16384x16 they found
-# nothing to trade (throwaway runs, 3 seeds), below they help (1024x16 seed
-# 2: 1.3e-4 -> 1.4e-5, with the eleventh pass's cores). The second try also takes
+# nothing to trade (throwaway runs, 3 seeds, both versions of the cores),
+# below they helped (1024x16 seed 2: 1.3e-4 -> 1.4e-5, first version). The second try also takes
 # one big item per part (c = 1: uniform B = 4, whose length-4096 samples cannot
 # share a part): 65536x4 uniform 1.6e-3..4.6e-3 -> 0.9e-4..1.4e-4 above the bound
 # (tests' generator, 4 seeds), at 2-3x the time of those calls (85-125 ->
