@@ -28,7 +28,7 @@ import numpy as np
 from balancer._limits import PACKED_KEY_LIMIT
 from balancer.partition._polish_all import fits, polish_all
 
-__all__ = ["TIMSORT_MIN_PARTS", "order_floats", "polish", "polish_pairs", "radix_fits", "radix_order",
+__all__ = ["TIMSORT_MIN_PARTS", "coarse_keys", "order_floats", "polish", "polish_pairs", "radix_fits", "radix_order",
            "sort_order", "sort_values", "swap_rounds"]
 
 _PARTNERS = 8
@@ -98,6 +98,19 @@ def radix_order(keys: np.ndarray) -> np.ndarray:
         digit = ((keys >> shift) & 0xFFFF).astype(np.uint16)
         order = order[np.argsort(digit[order], kind="stable")]
     return order
+
+
+def coarse_keys(offsets: np.ndarray, span: int) -> np.ndarray:
+    """The top 16 bits of integer ``offsets`` in ``[0, span]``, as uint16.
+
+    A stable argsort of these keys (one radix pass) orders the offsets up to
+    ``span / 2**15``: closer ones count as ties (broken by index), the same on
+    every machine. Re-matching and the KK start pair items by such orders: a
+    pairing off by one bucket is still a partition, only a little less good,
+    at half the sort time of :func:`radix_order` on 25-bit keys.
+    """
+    shift = max(0, int(span).bit_length() - 16)
+    return (offsets >> shift).astype(np.uint16)
 
 
 def order_floats(keys: np.ndarray, nearly_sorted: bool = False, nonneg: bool = False) -> np.ndarray:

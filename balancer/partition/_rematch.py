@@ -45,7 +45,13 @@ import time
 
 import numpy as np
 
-from balancer.partition._refine import TIMSORT_MIN_PARTS, order_floats, radix_fits, radix_order
+from balancer.partition._refine import (
+    TIMSORT_MIN_PARTS,
+    coarse_keys,
+    order_floats,
+    radix_fits,
+    radix_order,
+)
 
 __all__ = ["rematch_blocks", "rematch_columns"]
 
@@ -154,6 +160,7 @@ def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target
     blocks = _blocks(b)
     rw = np.ascontiguousarray(rows.T)
     cv = vals[rw]
+    perm = np.empty(rw.shape[1], np.int64)
     while tried < max_moves and cur > target and idle < min(len(blocks), _IDLE_BLOCKS):
         if stop_at is not None and time.perf_counter() >= stop_at:
             break
@@ -161,14 +168,17 @@ def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target
         tried += 1
         block = cv[cols[0]] if len(cols) == 1 else cv[cols[0]] + cv[cols[1]]
         rest = loads - block
-        give = _order(block, descending=True)
-        take = _order(rest)
+        give = _order(block, descending=True, coarse=True)
+        take = _order(rest, coarse=True)
         new_loads = rest[take] + block[give]
         top = new_loads.max()
         if top < cur:
+            # Part take[i] gets block give[i]: one scatter for the permutation,
+            # then a gather per column (one scatter and gather per column: 2.4x the time).
+            perm[take] = give
             for c in cols:
-                rw[c, take] = rw[c, give]
-                cv[c, take] = cv[c, give]
+                rw[c] = rw[c, perm]
+                cv[c] = cv[c, perm]
             loads[take] = new_loads
             cur = top
             idle = 0
@@ -191,10 +201,17 @@ def _blocks(b: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
-    """Ascending (or descending) order of ``keys``, ties by index, the same on every machine."""
+def _order(keys: np.ndarray, descending: bool = False, coarse: bool = False) -> np.ndarray:
+    """Ascending (or descending) order of ``keys``, ties by index, the same on every machine.
+
+    ``coarse`` (integer keys): by :func:`coarse_keys` of ``keys - min`` (or
+    ``max - keys``), one radix pass instead of two at W = 32,768.
+    """
     if keys.dtype.kind == "i":
-        flipped = int(keys.max()) - keys if descending else keys
+        lo, hi = int(keys.min()), int(keys.max())
+        flipped = hi - keys if descending else keys - lo
+        if coarse:
+            return np.argsort(coarse_keys(flipped, hi - lo), kind="stable")
         if radix_fits(flipped):
             return radix_order(flipped)
     return order_floats(-keys if descending else keys)

@@ -240,7 +240,7 @@ def _rematch_moves(w: int, b: int) -> int:
 
 def _kk_start(v: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Equal-size KK's rows (each ascending) and loads, or None where it gives up."""
-    part = kk_equal(v, w, give_up=True)
+    part = kk_equal(v, w, give_up=True, coarse=True)
     if part is None:
         return None
     rows = kk_rows(part, w)
