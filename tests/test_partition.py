@@ -701,11 +701,15 @@ def test_quality_with_few_items_per_part(w: int, b: int, limit: float) -> None:
 # ------------------------------------------------------------ crowded parts
 # Zipf lengths clipped at 4096 put ~17 % of the samples at one largest cost, 2.7
 # per part at B = 16: the parts holding two of them carry the large fillers. The
-# regular path ends 3.8e-3 to 9.6e-3 above the bound on these seeds; the crowded
-# start 9.8e-6 to 4.9e-4 (3.2e-5 to 8.5e-5 at 4096x16 and 16384x16).
-@pytest.mark.parametrize("w,b,limit", [(1024, 16, 1e-3), (2048, 16, 1e-3), (4096, 16, 2e-4), (16384, 16, 2e-4)])
-def test_crowded_parts_end_near_the_bound(w: int, b: int, limit: float) -> None:
-    for seed in range(3):
+# regular path ends 3.8e-3 to 9.6e-3 above the bound on seeds 0-2; the crowded
+# start 9.8e-6 to 4.9e-4 (3.2e-5 to 8.5e-5 at 4096x16 and 16384x16). At 1024x16
+# and 2048x16 seeds 3-7 need the second try's other goals for the cores: with
+# the first goal alone 1024x16 seeds 3-6 end 2.7e-3 to 9.0e-3 above the bound
+# and 2048x16 seed 3 1.7e-2; with them 9.4e-5 to 4.9e-4 and 3.0e-4.
+@pytest.mark.parametrize("w,b,limit,seeds", [(1024, 16, 1e-3, 8), (2048, 16, 1e-3, 8), (4096, 16, 2e-4, 3),
+                                             (16384, 16, 2e-4, 3)])
+def test_crowded_parts_end_near_the_bound(w: int, b: int, limit: float, seeds: int) -> None:
+    for seed in range(seeds):
         x = _seeded("zipf", w, b, seed)
         parts = balanced_partition(x, w)
         _check_parts(parts, x.size, w)

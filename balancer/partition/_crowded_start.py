@@ -23,12 +23,12 @@ bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
 1. the forced items, each less the smallest item (the filler it displaces),
    are packed into ``W - a`` cores. First by *bin completion*: a core opens
    with the largest item left and takes the largest item that brings it
-   within ``_CORE_CLOSE`` of its goal (``_CORE_OVER`` above the mean core),
+   within ``close`` of its goal (``over`` above the mean core; :class:`_Goal`),
    else the largest that leaves room for one more item. Completion works
    while large items open the cores and small ones close them; once the
    items left are all small it starts to miss (the pool has no item of the
    size a gap needs), and every miss pushes the cores after it up. So at the
-   first miss with the largest item left below ``goal / _TAIL_MISS``, the
+   first miss with the largest item left below ``goal / tail_miss``, the
    items left (the *tail*, three or more per core) go to the cores left as
    one equal-count partition (``split``: the library's own pipeline); on
    Zipf 16384x16 seed 0 its heaviest core ends 5.1e-4 of the bound above
@@ -41,8 +41,11 @@ Re-matching then does the rest; swaps find nothing to trade after it.
 131,072 (B <= 16, ``c >= 2``: Zipf) and otherwise as a second try where the
 regular result ends more than ``MISS`` above the bound (from N = 1,025 and
 with ``c >= 1``: uniform 65536x4 then goes from 1.6e-3 to 4.6e-3 above the
-bound to 0.9e-4 to 1.4e-4), keeping the better one.
-Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts".
+bound to 0.9e-4 to 1.4e-4), keeping the better one. The second try packs the
+cores by four goals and keeps the best packing (``_GOALS``): with few forced
+items per core, which goal packs them well varies from input to input.
+Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts" and
+"Four goals for the cores".
 """
 
 from __future__ import annotations
@@ -50,29 +53,45 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from balancer.partition._fill import fill
 
-__all__ = ["MISS", "crowded_start"]
+__all__ = ["MISS", "OTHER_GOALS", "crowded_start"]
 
 MISS = 1e-3  # solve tries this start when its regular result ends above bound * (1 + MISS)
-_CORE_OVER = 1e-4  # core goal: the mean core plus this much of the bound
-_CORE_CLOSE = 1e-4  # a core within this much of the bound below its goal is closed
-# Bin completion stops at the first core that misses its goal once the largest
-# sample left is below goal / _TAIL_MISS (and at goal / _TAIL_ALWAYS in any
-# case); the samples left are then split by an equal-count partition into the
-# cores left, which then hold _TAIL_MISS or more samples each. Zipf 16384x16, 8
-# seeds (throwaway runs): (3, 6) ends 3.6e-5 to 1.4e-4 above the bound, median
-# 8.7e-5; (2, 4) 7.8e-5 to 4.9e-4, median 2.1e-4; a fixed switch at goal / 6
-# 2.3e-5 to 6.7e-3 (the cores before it had missed 1.85 bounds in sum on seed
-# 4, which the tail then carried); no tail (every core by completion, the
-# samples no core takes to the lightest cores) needed a goal 1e-3 above the
-# mean and ended 9.2e-4 to 2.1e-3.
-_TAIL_MISS = 3
-_TAIL_ALWAYS = 6
+
+
+class _Goal(NamedTuple):
+    """How the cores are packed (:func:`_cores`)."""
+
+    over: float  # core goal: the mean core plus this much of the bound
+    close: float  # a core within this much of the bound below its goal is closed
+    # Bin completion stops at the first core that misses its goal once the
+    # largest sample left is below goal / tail_miss (and at goal / tail_always
+    # in any case); the samples left are then split by an equal-count
+    # partition into the cores left, which then hold tail_miss or more samples each.
+    tail_miss: float
+    tail_always: float
+
+
+# The first goal is the start's own. Zipf 16384x16, 8 seeds (throwaway runs):
+# tails at (3, 6) end 3.6e-5 to 1.4e-4 above the bound, median 8.7e-5; (2, 4)
+# 7.8e-5 to 4.9e-4, median 2.1e-4; a fixed switch at goal / 6 2.3e-5 to 6.7e-3
+# (the cores before it had missed 1.85 bounds in sum on seed 4, which the tail
+# then carried); no tail (every core by completion, the samples no core takes
+# to the lightest cores) needed a goal 1e-3 above the mean and ended 9.2e-4 to
+# 2.1e-3. With fewer forced samples per core (~2.7 at 1024x16) which goal packs
+# them well varies from input to input, so the second try (``goals=ALL_GOALS``)
+# packs the cores by each of these and keeps the packing with the lightest
+# heaviest core: Zipf 1024x16, seeds 8-23 of bench_partition (the goals were
+# picked on seeds 0-7), 6 -> 1 of 16 seeds above 1e-3 (worst 9.7e-3 -> 1.3e-3),
+# median 2.0e-4 -> 1.1e-4; 2048x16 3 -> 0 (1.7e-2 -> 5.0e-4). Eight goals
+# instead of four gave the same on those seeds (throwaway runs).
+_GOALS = (_Goal(1e-4, 1e-4, 3, 6), _Goal(1e-3, 1e-3, 2, 4), _Goal(5e-4, 5e-4, 3, 6), _Goal(3e-4, 1e-3, 2, 4))
+OTHER_GOALS = tuple(range(1, len(_GOALS)))
 # The start is for full parts: mean load within 10 % of the bound. Below that the
 # bound is set by single items (a part holding the largest one and the smallest
 # fillers), and the regular path meets it (lognormal: mean 0.19-0.74 of the
@@ -83,7 +102,7 @@ _FULL = 0.9
 def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int | float,
                   bound: int | float, rows_per_step: int, alternate: bool,
                   split: Callable[[np.ndarray, int], np.ndarray],
-                  min_big: int = 2) -> tuple[np.ndarray, np.ndarray] | None:
+                  min_big: int = 2, goals: tuple[int, ...] = (0,)) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows and loads of the crowded start on ascending ``v``, or ``None`` where the top
     tie block does not crowd the parts.
 
@@ -98,6 +117,8 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
             ascending ``x`` (the cores' tail; :func:`balancer.partition._solve.solve`
             passes its own pipeline).
         min_big: the fewest big items per part (``c``) the start takes on.
+        goals: pack the cores by these of ``_GOALS`` (indices) and keep the
+            packing whose heaviest core is lightest.
 
     Returns:
         ``(rows, loads)``: [W, N / W] sorted positions per part (each row
@@ -116,7 +137,14 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     free = b - c + 1  # filler places of a part with c - 1 big items
     if m - keep > (w - a) * free:
         return None
-    cores = _cores(v[keep:m] - v[0], w - a, bound, free, split)
+    f = v[keep:m] - v[0]
+    cores, top = None, None
+    for i in goals:
+        labels = _cores(f, w - a, bound, free, split, _GOALS[i])
+        heaviest = np.bincount(labels, weights=f, minlength=w - a).max()
+        if top is None or heaviest < top:
+            cores, top = labels, heaviest
+    assert cores is not None
     # Part j's first ``held[j]`` items, in its last places and ascending: its core
     # (parts a.. hold cores 0..), then its big items.
     core_size = np.zeros(w, np.int64)
@@ -138,15 +166,15 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
 
 
 def _cores(f: np.ndarray, bins: int, bound: int | float, free: int,
-           split: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
+           split: Callable[[np.ndarray, int], np.ndarray], how: _Goal) -> np.ndarray:
     """Core (``0..bins-1``) of every item of ascending ``f``: bin completion, then an
-    equal-count split of the tail (module docstring, ``_TAIL_MISS``).
+    equal-count split of the tail (module docstring, :class:`_Goal`).
 
     The pool is kept as its distinct values and their counts (equal items are
     interchangeable): 16384x16 Zipf has ~15,000 forced items but ~3,000 values.
     """
-    goal = float(f.sum()) / bins + _CORE_OVER * bound
-    close = _CORE_CLOSE * bound
+    goal = float(f.sum()) / bins + how.over * bound
+    close = how.close * bound
     values, sizes = np.unique(f, return_counts=True)
     vals = values.tolist()  # the distinct values left, ascending
     left = sizes.tolist()  # items left per value
@@ -155,7 +183,7 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int,
     sums = [0] * bins
     counts = [0] * bins
     j = 0
-    while j < bins and vals and vals[-1] * _TAIL_ALWAYS >= goal:
+    while j < bins and vals and vals[-1] * how.tail_always >= goal:
         top = vals[-1]
         p = len(vals)  # a core opens with the largest item left
         q = 0
@@ -181,7 +209,7 @@ def _cores(f: np.ndarray, bins: int, bound: int | float, free: int,
                 p = bisect.bisect_right(vals, gap - vals[0]) or p
         sums[j], counts[j] = s, q
         j += 1
-        if goal - s > close and top * _TAIL_MISS < goal:
+        if goal - s > close and top * how.tail_miss < goal:
             break
     rest = np.repeat(np.asarray(vals, f.dtype), np.asarray(left, np.int64))  # ascending
     tail = bins - j

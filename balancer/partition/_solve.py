@@ -40,7 +40,7 @@ import numpy as np
 
 from balancer.partition._bound import bound_sorted, prefix_sums
 from balancer.partition._crowded_start import MISS as CROWDED_MISS
-from balancer.partition._crowded_start import crowded_start
+from balancer.partition._crowded_start import OTHER_GOALS, crowded_start
 from balancer.partition._fill import fill
 from balancer.partition._kk import kk_equal, kk_rows
 from balancer.partition._lpt import lpt
@@ -208,13 +208,19 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
             and not late(stop_at):
         # Far above the bound: try the crowded start (None where the top tie
         # block does not crowd the parts), here also with one big item per
-        # part or none, and keep the better partition.
-        crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels, min_big=1)
-        if crowded is not None:
+        # part, with its own goal for the cores and then with the best
+        # packing of the others, and keep the best partition.
+        for goals in ((0,), OTHER_GOALS):
+            crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels,
+                                    min_big=1, goals=goals)
+            if crowded is None:
+                break
             rows2, loads2 = crowded
             refine(v, rows2, loads2, target, stop_at, loose, swaps=n <= _LARGE)
             if loads2.max() < loads.max():
                 rows, loads = rows2, loads2
+            if loads.max() <= bound * (1 + CROWDED_MISS) or late(stop_at):
+                break
     return Solved(order, v, rows, loads, bound)
 
 
