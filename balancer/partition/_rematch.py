@@ -45,13 +45,7 @@ import time
 
 import numpy as np
 
-from balancer.partition._refine import (
-    TIMSORT_MIN_PARTS,
-    coarse_keys,
-    order_floats,
-    radix_fits,
-    radix_order,
-)
+from balancer.partition._refine import TIMSORT_MIN_PARTS, coarse_keys, order_floats
 
 __all__ = ["rematch_blocks", "rematch_columns"]
 
@@ -144,8 +138,13 @@ def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target
     one column cannot: from the KK start, 32768x8 uniform ends within 5e-5
     of the bound in 16 moves, where single columns end 4-7.7e-4 above it.
 
-    Integer keys are ordered by :func:`radix_order` (remainders ascending,
-    block sums descending, ties by part index); floats by :func:`order_floats`.
+    Integer keys are ordered by their top 16 bits (:func:`coarse_keys`, one
+    radix pass: remainders ascending, block sums descending, ties by part
+    index); floats by :func:`order_floats`. A pairing off by one bucket is
+    still a partition, and the move is kept only when it lowers the max: at
+    W = 32,768 that halves the two sorts of a move (two radix passes each on
+    25-bit keys) and leaves the quality as it was (32768x8 uniform 1.25x;
+    ``docs/benchmarks_partition.md``, "coarse orders").
     Columns are held column-major with their values, so a move reads no item
     through a random gather (~1.5 ms at W = 32,768 on the CI box).
 
@@ -168,8 +167,8 @@ def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target
         tried += 1
         block = cv[cols[0]] if len(cols) == 1 else cv[cols[0]] + cv[cols[1]]
         rest = loads - block
-        give = _order(block, descending=True, coarse=True)
-        take = _order(rest, coarse=True)
+        give = _order(block, descending=True)
+        take = _order(rest)
         new_loads = rest[take] + block[give]
         top = new_loads.max()
         if top < cur:
@@ -201,17 +200,10 @@ def _blocks(b: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _order(keys: np.ndarray, descending: bool = False, coarse: bool = False) -> np.ndarray:
-    """Ascending (or descending) order of ``keys``, ties by index, the same on every machine.
-
-    ``coarse`` (integer keys): by :func:`coarse_keys` of ``keys - min`` (or
-    ``max - keys``), one radix pass instead of two at W = 32,768.
-    """
+def _order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
+    """Ascending (or descending) order of ``keys``, ties by index, the same on every machine:
+    integer keys by :func:`coarse_keys` of ``keys - min`` (or ``max - keys``), floats exactly."""
     if keys.dtype.kind == "i":
         lo, hi = int(keys.min()), int(keys.max())
-        flipped = hi - keys if descending else keys - lo
-        if coarse:
-            return np.argsort(coarse_keys(flipped, hi - lo), kind="stable")
-        if radix_fits(flipped):
-            return radix_order(flipped)
+        return np.argsort(coarse_keys(hi - keys if descending else keys - lo, hi - lo), kind="stable")
     return order_floats(-keys if descending else keys)
