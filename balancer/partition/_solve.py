@@ -178,14 +178,56 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     if v.dtype.kind == "i":
         target = int(target)
     alternate = b <= _FILL_TWO_ROWS_MAX_B
-    # From N = 131,072 at B <= 16, a top tie block that crowds the parts gets
-    # the crowded start alone (None elsewhere: a few scalar tests); elsewhere
-    # it is a second try where the regular path ends far above the bound.
+    # At scale re-matching stops once within _REMATCH_RTOL (the swaps go on to ``target``).
+    loose = bound * (1 + _REMATCH_RTOL) if n > _LARGE else target
+    loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
+    # Above _CROWDED_FIRST_ITEMS at B <= 16, a top tie block that crowds the
+    # parts gets the crowded start first (None elsewhere: a few scalar tests);
+    # elsewhere it is a second try where the regular path ends far above the bound.
     first = n > _CROWDED_FIRST_ITEMS and b <= _REMATCH_MAX_B
     crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels) if first else None
+    if crowded is not None:
+        rows, loads = crowded
+        if loads.max() > target:
+            refine(v, rows, loads, target, stop_at, loose, swaps=False)
+    else:
+        rows, loads = _regular(v, w, prefix, target, stop_at, loose, alternate)
+    if n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
+        # Far above the bound: the other path, then the crowded start with the
+        # best packing of its other goals for the cores; the best partition is
+        # kept. The crowded start here also takes one big item per part
+        # (None where the top tie block does not crowd the parts).
+        def crowded_with(goals: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+            got = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels,
+                                min_big=1, goals=goals)
+            if got is not None and got[1].max() > target:
+                refine(v, got[0], got[1], target, stop_at, loose, swaps=n <= _LARGE)
+            return got
+
+        def other() -> tuple[np.ndarray, np.ndarray] | None:
+            if crowded is not None:
+                return _regular(v, w, prefix, target, stop_at, loose, alternate)
+            return crowded_with((0,))
+
+        for attempt in (other, lambda: crowded_with(OTHER_GOALS)):
+            got = attempt()
+            if got is None:
+                break
+            if got[1].max() < loads.max():
+                rows, loads = got
+            if loads.max() <= bound * (1 + CROWDED_MISS) or late(stop_at):
+                break
+    return Solved(order, v, rows, loads, bound)
+
+
+def _regular(v: np.ndarray, w: int, prefix: np.ndarray, target: int | float, stop_at: float | None,
+             loose: int | float, alternate: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The regular path of :func:`solve`: LPT, fill or KK as the start, then :func:`refine`."""
+    n = v.size
+    b = n // w
     # B <= 8 at scale with a short re-matching budget: KK first (_KK_FIRST_MAX_B).
-    kk_first = crowded is None and n > _LPT_MAX_ITEMS and b <= _KK_FIRST_MAX_B and _rematch_moves(w, b) < 8 * b
-    started = _kk_start(v, w) if kk_first else crowded
+    kk_first = n > _LPT_MAX_ITEMS and b <= _KK_FIRST_MAX_B and _rematch_moves(w, b) < 8 * b
+    started = _kk_start(v, w) if kk_first else None
     if started is not None:
         rows, loads = started
     elif n <= _LPT_MAX_ITEMS:
@@ -199,29 +241,9 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         started = _kk_start(v, w)
         if started is not None and started[1].max() < loads.max():
             rows, loads = started
-    # At scale, re-matching stops once within _REMATCH_RTOL (the swaps go on to ``target``).
-    loose = bound * (1 + _REMATCH_RTOL) if n > _LARGE else target
-    loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
     if loads.max() > target:
-        refine(v, rows, loads, target, stop_at, loose, swaps=crowded is None)
-    if crowded is None and n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) \
-            and not late(stop_at):
-        # Far above the bound: try the crowded start (None where the top tie
-        # block does not crowd the parts), here also with one big item per
-        # part, with its own goal for the cores and then with the best
-        # packing of the others, and keep the best partition.
-        for goals in ((0,), OTHER_GOALS):
-            crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels,
-                                    min_big=1, goals=goals)
-            if crowded is None:
-                break
-            rows2, loads2 = crowded
-            refine(v, rows2, loads2, target, stop_at, loose, swaps=n <= _LARGE)
-            if loads2.max() < loads.max():
-                rows, loads = rows2, loads2
-            if loads.max() <= bound * (1 + CROWDED_MISS) or late(stop_at):
-                break
-    return Solved(order, v, rows, loads, bound)
+        refine(v, rows, loads, target, stop_at, loose)
+    return rows, loads
 
 
 def equal_labels(x: np.ndarray, parts: int) -> np.ndarray:
