@@ -439,21 +439,21 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
     turns; "array" is the same partition without building Python lists
     (``partition_rows``, what the partition child can return; for ``before``
     its own ``partition_rows``, or its lists as an array for commits before it).
-    "slowest seed" is the largest time of one ``partition_rows`` call per seed
-    (the versions taking turns): seeds that miss the bound take extra tries.
+    "per seed" times one ``partition_rows`` call per seed (the versions taking
+    turns), median and slowest: seeds that miss the bound take extra tries.
     """
     rows_before = None if before is None else _rows_of(before)
     child_before = None if before is None else _child_of(before)
     print("\n## Before / after at scale (max/bound - 1: median | worst over seeds; ms per call)\n")
     print("| W x B | dist | before: quality | before ms | before ms (array) | after: quality "
           "| after ms (lists) | after ms (array) | speedup (lists) | speedup (array) "
-          "| child ms: before / after | slowest seed ms (array): before / after |")
+          "| child ms: before / after | per seed ms (array), median \\| slowest: before / after |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, b in shapes:
         for dist in dists:
             gaps: dict[str, list[float]] = {"before": [], "after": []}
             secs: dict[str, float] = {}
-            slowest: dict[str, float] = {"before_array": 0.0, "array": 0.0}
+            per_seed: dict[str, list[float]] = {"before_array": [], "array": []}
             for seed in range(seeds):
                 x, _ = make_workloads(dist, w * b, seed)
                 lb = lower_bound(x, w)
@@ -472,15 +472,15 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                 if seed == 0:
                     fns["after"]()  # warm-up
                     secs = time_side_by_side(fns, reps)
-                for k in slowest:
+                for k, got in per_seed.items():
                     if k in fns:
                         t = time.perf_counter()
                         fns[k]()
-                        slowest[k] = max(slowest[k], time.perf_counter() - t)
+                        got.append(time.perf_counter() - t)
             row = {"kind": "scale", "W": w, "B": b, "N": w * b, "dist": dist,
                    **{f"gaps_{k}": v for k, v in gaps.items()},
                    **{f"{k}_ms": 1e3 * v for k, v in secs.items()},
-                   **{f"slowest_{k}_ms": 1e3 * v for k, v in slowest.items()}}
+                   **{f"per_seed_{k}_ms": [1e3 * t for t in v] for k, v in per_seed.items()}}
             emit(row)
             cell = {k: (f"{statistics.median(v):.1e} \\| {max(v):.1e}" if v else "-")
                     for k, v in gaps.items()}
@@ -490,7 +490,8 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
                      if had else "- | -")
             child = (f"{1e3 * secs['before_child']:.1f} / " if "before_child" in secs else "- / ") + \
                 f"{1e3 * secs['child']:.1f}"
-            slow = (f"{1e3 * slowest['before_array']:.1f} / " if had else "- / ") + f"{1e3 * slowest['array']:.1f}"
+            slow = " / ".join(f"{1e3 * statistics.median(v):.1f} \\| {1e3 * max(v):.1f}" if v else "-"
+                              for v in per_seed.values())
             print(f"| {w}x{b} | {dist} | {cell['before']} | {bms} | {cell['after']} | "
                   f"{1e3 * secs['after']:.1f} | {1e3 * secs['array']:.1f} | {speed} | {child} | {slow} |",
                   flush=True)

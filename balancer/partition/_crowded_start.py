@@ -37,8 +37,9 @@ bound, where swaps and re-matching cannot undo it (16384x16: 8.0e-3 to
    those loads.
 
 Re-matching then does the rest; swaps find nothing to trade after it.
-:func:`balancer.partition._solve.solve` uses this start alone above N =
-131,072 (B <= 16, ``c >= 2``: Zipf) and otherwise as a second try where the
+:func:`balancer.partition._solve.solve` uses this start first above N =
+16,384 (B <= 16, ``c >= 2``: Zipf; the regular path is its second try) and
+otherwise as a second try where the
 regular result ends more than ``MISS`` above the bound (from N = 1,025 and
 with ``c >= 1``: uniform 65536x4 then goes from 1.6e-3 to 4.6e-3 above the
 bound to 0.9e-4 to 1.4e-4), keeping the better one. The second try packs the

@@ -13,9 +13,10 @@
    the start and ``fill`` only its fallback (KK gives up on heavy tails at
    once). Where the top tie block crowds full parts (Zipf lengths clipped at
    a maximum, :mod:`balancer.partition._crowded_start`), the crowded start:
-   alone above N = 131,072 with B <= 16, otherwise a second try from N =
-   1,025 when the result ends more than 1e-3 above the bound (the better
-   one is kept; uniform B = 4 has such a block too);
+   first above N = 16,384 with B <= 16 (the regular path is then its second
+   try), otherwise a second try from N = 1,025; a second try runs when the
+   result ends more than 1e-3 above the bound, and the better one is kept
+   (uniform B = 4 has such a block too);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
    columns up to N = 1,024, blocks of one or two columns above; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
@@ -114,20 +115,28 @@ _KK_FIRST_MAX_B = 8
 # 2.66e-4 -> 2.63e-4 above the bound) for 2-16 ms; below it (Zipf, lognormal,
 # B = 16 mostly) they can do more, and stay.
 _PLATEAU_PARTS = 4
-# The crowded start (_crowded_start) runs alone from here (B <= 16): both
-# starts would cost ~90 ms at 16384x16 Zipf on the slow CI box, and the
-# regular one lost there on 8 of 8 seeds (7e-3 to 2.4e-2 against 3.6e-5 to
-# 1.4e-4). Below, it is a second try where the regular result misses 1e-3
-# (the cheaper regular path is often close: 4096x16 seed 0 ends 1.4e-4).
-# After it, the swaps run only up to N = 16,384: at 16384x16 they found
-# nothing to trade (throwaway runs, 3 seeds, both versions of the cores),
-# below they helped (1024x16 seed 2: 1.3e-4 -> 1.4e-5, first version). The second try also takes
-# one big item per part (c = 1: uniform B = 4, whose length-4096 samples cannot
-# share a part): 65536x4 uniform 1.6e-3..4.6e-3 -> 0.9e-4..1.4e-4 above the bound
-# (tests' generator, 4 seeds), at 2-3x the time of those calls (85-125 ->
-# 245-285 ms as partition_rows on the slow CI box). Not below N = 1,025, where
-# it would cost the 1 ms target (256x4 uniform 1.0 -> 3.6 ms, quality unchanged).
-_CROWDED_FIRST_ITEMS = 1 << 17
+# The crowded start (_crowded_start) goes first above this many items (B <= 16),
+# where a top tie block crowds the parts (Zipf B = 16): the regular path lost
+# there on most seeds (16384x16: 8 of 8, 7e-3 to 2.4e-2 against 3.6e-5 to
+# 1.4e-4; 8192x16: 16 of 16 above 1e-3) and both paths would run. Where the
+# crowded start still misses 1e-3 the regular path is its second try. From
+# 2048x16 (N = 32,768) to 8192x16 that is the same quality or better on 16
+# seeds of bench_partition (2048x16 worst 5.0e-4 -> 3.0e-4) and 1.4-1.8x
+# faster per call; 4096x16 is slower on seeds where the regular path alone
+# was enough (seed 0: 6.8 -> 11.7 ms) and faster in the median over seeds.
+# Below it, at 1024x16, crowded first lost quality (median 1.8e-4 -> 2.1e-4),
+# so the crowded start is a second try there, where the regular result
+# misses 1e-3 (the cheaper regular path is often close). After the crowded
+# start the swaps run only up to N = 16,384: at 16384x16 they found nothing
+# to trade (throwaway runs, 3 seeds, both versions of the cores), below they
+# helped (1024x16 seed 2: 1.3e-4 -> 1.4e-5, first version). The second try
+# also takes one big item per part (c = 1: uniform B = 4, whose length-4096
+# samples cannot share a part): 65536x4 uniform 1.6e-3..4.6e-3 ->
+# 0.9e-4..1.4e-4 above the bound (tests' generator, 4 seeds), at 2-3x the
+# time of those calls (85-125 -> 245-285 ms as partition_rows on the slow CI
+# box). Not below N = 1,025, where it would cost the 1 ms target (256x4
+# uniform 1.0 -> 3.6 ms, quality unchanged).
+_CROWDED_FIRST_ITEMS = 1 << 14
 _TAIL_RTOL = 1e-4  # the crowded start's tail (equal_labels): same quality as 1e-5 on Zipf 16384x16 (8 seeds)
 _PAIR_STEPS = 3  # two-for-two swaps when single swaps are stuck above target
 _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
@@ -189,7 +198,7 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     if crowded is not None:
         rows, loads = crowded
         if loads.max() > target:
-            refine(v, rows, loads, target, stop_at, loose, swaps=False)
+            refine(v, rows, loads, target, stop_at, loose, swaps=n <= _LARGE)
     else:
         rows, loads = _regular(v, w, prefix, target, stop_at, loose, alternate)
     if n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
