@@ -84,6 +84,14 @@ _REMATCH_MAX_B = 16
 _BLOCKS_MIN_ITEMS = 1025  # re-matching by blocks of two columns from here (rematch_blocks)
 _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
+# ... but at least _REMATCH_MIN_MOVES (within 8 cycles and _REMATCH_MOVES): from
+# W = 16,384 on, 16 moves cover fewer than two cycles of B = 4's 10 blocks, and
+# uniform B = 4 ended 1.2-1.6e-4 above the bound in the median (16384x4 to
+# 65536x4, 4 seeds), which the crowded second try then chased for up to 200 ms.
+# With 32: 4.4-4.6e-5, and per-seed medians 1.3x slower (16384x4, 32768x4) or
+# 2.8x faster (65536x4); every other distribution and B = 8, 16 unchanged
+# (bench_partition.py --only scale --before e7d0b56 --seeds 4 --shapes ...).
+_REMATCH_MIN_MOVES = 32
 # At scale (N > _LARGE) re-matching stops within _REMATCH_RTOL of the bound (half
 # the issue's 1e-4), and the swaps go on towards rtol under their own budgets.
 # The last moves to 1e-5 cost ~1 ms each at W = 16,384 and bought quality no
@@ -104,7 +112,9 @@ _REMATCH_RTOL = 5e-5
 # 8192x8 3.1e-4 -> 2.2e-4; lognormal, Zipf and padded unchanged: KK gives up).
 # With the full budget the fill start re-matches further (4096x8 uniform:
 # 8.9e-5 against 1.3e-4 from KK), and at B = 16 too (16384x16 uniform 1.8e-5
-# against 2.6e-5), so fill stays there.
+# against 2.6e-5), so fill stays there. B = 4 always gets its full 8 cycles
+# (32 moves, _REMATCH_MIN_MOVES), so fill starts it (uniform 16384x4 to
+# 65536x4 end 4.4-4.6e-5 from fill, 4.5-4.8e-5 from KK; throwaway A/B, 4 seeds).
 _KK_FIRST_MAX_B = 8
 # After re-matching at scale, more than W / _PLATEAU_PARTS parts above target
 # means the max is a plateau that many parts share (uniform B <= 8: 29-59 % of
@@ -272,7 +282,7 @@ def _fill_rows(b: int) -> int:
 
 def _rematch_moves(w: int, b: int) -> int:
     """Column re-matching's move budget: 8 cycles of ``B``, within the caps."""
-    return min(8 * b, _REMATCH_MOVES, max(16, _REMATCH_ITEMS // w))
+    return min(8 * b, _REMATCH_MOVES, max(_REMATCH_MIN_MOVES, _REMATCH_ITEMS // w))
 
 
 def _kk_start(v: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray] | None:
