@@ -721,6 +721,34 @@ def test_crowded_parts_end_near_the_bound(w: int, b: int, limit: float, seeds: i
             assert balanced_partition(x.tolist(), w) == parts, "every rank computes the same partition"
 
 
+def test_a_crowded_start_that_misses_falls_back_to_the_regular_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Above N = 16,384 the crowded start goes first; where it ends more than
+    # 1e-3 above the bound, the regular path is its second try. Spoil the first
+    # crowded start (parts dealt in sorted order: ~2x the bound) and the result
+    # must still be the regular path's, within 1e-3 (4096x16 seed 0: 1.4e-4).
+    from balancer.partition import _solve
+
+    real = _solve.crowded_start
+    spoiled = []
+
+    def first_spoiled(v: np.ndarray, w: int, *args: Any, **kwargs: Any) -> Any:
+        got = real(v, w, *args, **kwargs)
+        if got is None or spoiled:
+            return got
+        spoiled.append(True)
+        rows = np.arange(v.size).reshape(w, -1)  # the largest items together
+        return rows, v[rows].sum(axis=1)
+
+    monkeypatch.setattr(_solve, "crowded_start", first_spoiled)
+    w, b = 4096, 16
+    x = _seeded("zipf", w, b, 0)
+    parts = balanced_partition(x, w)
+    _check_parts(parts, x.size, w)
+    assert spoiled, "the crowded start went first"
+    gap = _max_load(x, parts) / lower_bound(x, w) - 1
+    assert gap <= 1e-3, f"zipf {w}x{b} seed 0 after a spoiled crowded start: max/bound - 1 = {gap:.2e}"
+
+
 def test_crowded_start_gives_the_big_items_and_forced_fillers_their_parts() -> None:
     from balancer.partition._bound import bound_sorted, prefix_sums
     from balancer.partition._crowded_start import crowded_start
