@@ -118,16 +118,14 @@ def kk_equal(vals: np.ndarray, num_parts: int, give_up: bool = False,
         ra = order[0 : 2 * win : 2]
         rb = order[1 : 2 * win : 2]
         merged = sums[ra] + sums[rb][:, ::-1]
+        top = merged.max(axis=1, keepdims=True)
+        bottom = merged.min(axis=1, keepdims=True)
         if coarse and merged.dtype.kind == "i":
-            top = merged.max(axis=1, keepdims=True)
-            span = int((top - merged.min(axis=1, keepdims=True)).max())
-            perm = np.argsort(coarse_keys(top - merged, span), axis=1, kind="stable")
-            merged = np.take_along_axis(merged, perm, axis=1)
-            new_spread = merged.max(axis=1) - merged.min(axis=1)
+            perm = np.argsort(coarse_keys(top - merged, int((top - bottom).max())), axis=1, kind="stable")
         else:
             perm = np.argsort(-merged, axis=1, kind="stable")
-            merged = np.take_along_axis(merged, perm, axis=1)
-            new_spread = merged[:, 0] - merged[:, -1]
+        merged = np.take_along_axis(merged, perm, axis=1)
+        new_spread = (top - bottom)[:, 0]  # the same in either order
         acc = win
         if win > 1:
             # Pair i is the heap's next pop only if its smaller spread is not

@@ -200,35 +200,33 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     # At scale re-matching stops once within _REMATCH_RTOL (the swaps go on to ``target``).
     loose = bound * (1 + _REMATCH_RTOL) if n > _LARGE else target
     loose = max(target, int(loose) if v.dtype.kind == "i" else loose)
+
+    def crowded_with(min_big: int, goals: tuple[int, ...] = (0,)) -> tuple[np.ndarray, np.ndarray] | None:
+        """The crowded start (None where the top tie block does not crowd the parts), refined."""
+        got = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels,
+                            min_big=min_big, goals=goals)
+        if got is not None and got[1].max() > target:
+            refine(v, got[0], got[1], target, stop_at, loose, swaps=n <= _LARGE)
+        return got
+
     # Above _CROWDED_FIRST_ITEMS at B <= 16, a top tie block that crowds the
-    # parts gets the crowded start first (None elsewhere: a few scalar tests);
-    # elsewhere it is a second try where the regular path ends far above the bound.
-    first = n > _CROWDED_FIRST_ITEMS and b <= _REMATCH_MAX_B
-    crowded = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels) if first else None
+    # parts gets the crowded start first; elsewhere it is a second try where
+    # the regular path ends far above the bound.
+    crowded = crowded_with(2) if n > _CROWDED_FIRST_ITEMS and b <= _REMATCH_MAX_B else None
     if crowded is not None:
         rows, loads = crowded
-        if loads.max() > target:
-            refine(v, rows, loads, target, stop_at, loose, swaps=n <= _LARGE)
     else:
         rows, loads = _regular(v, w, prefix, target, stop_at, loose, alternate)
     if n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
         # Far above the bound: the other path, then the crowded start with the
         # best packing of its other goals for the cores; the best partition is
-        # kept. The crowded start here also takes one big item per part
-        # (None where the top tie block does not crowd the parts).
-        def crowded_with(goals: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-            got = crowded_start(v, w, prefix, target, bound, _fill_rows(b), alternate, equal_labels,
-                                min_big=1, goals=goals)
-            if got is not None and got[1].max() > target:
-                refine(v, got[0], got[1], target, stop_at, loose, swaps=n <= _LARGE)
-            return got
-
+        # kept. The crowded start here also takes one big item per part.
         def other() -> tuple[np.ndarray, np.ndarray] | None:
             if crowded is not None:
                 return _regular(v, w, prefix, target, stop_at, loose, alternate)
-            return crowded_with((0,))
+            return crowded_with(1)
 
-        for attempt in (other, lambda: crowded_with(OTHER_GOALS)):
+        for attempt in (other, lambda: crowded_with(1, OTHER_GOALS)):
             got = attempt()
             if got is None:
                 break
