@@ -678,6 +678,8 @@ def test_rematch_block_move_is_the_best_matching_of_its_block(block: tuple[int, 
 
 # Few items per part, many parts: single swaps alone end 3-9e-3 (256x4) and
 # ~4e-3 (8192x8) above the bound; column re-matching brings both below these.
+# At B <= 4 the moves take blocks of two columns at every N: 256x4 ends 3.8e-4
+# to 6.3e-4 above the bound on these seeds, single columns 1.3-1.9e-3.
 # Above N = 1,024 the moves take blocks of two columns (rematch_blocks), and
 # above N = 16,384 they stop within 5e-5 of the bound (_REMATCH_RTOL). On these
 # seeds single columns ended 1.2-1.8e-4 (1024x8), 1.2-1.7e-4 (8192x8), 4.0-7.7e-4
@@ -688,7 +690,7 @@ def test_rematch_block_move_is_the_best_matching_of_its_block(block: tuple[int, 
 # part at most) took them to 8.1e-5 and 1.4e-4, and a re-matching budget of 32
 # moves instead of 16 (_REMATCH_MIN_MOVES) takes all four to 4.3-5.0e-5 (with 16
 # they end 8.4e-5 to 2.1e-4 now).
-@pytest.mark.parametrize("w,b,limit", [(256, 4, 3e-3), (1024, 8, 5e-5), (8192, 8, 1e-4), (32768, 8, 1e-4),
+@pytest.mark.parametrize("w,b,limit", [(256, 4, 1e-3), (1024, 8, 5e-5), (8192, 8, 1e-4), (32768, 8, 1e-4),
                                        (16384, 16, 1e-4), (16384, 4, 1e-4)])
 def test_quality_with_few_items_per_part(w: int, b: int, limit: float) -> None:
     gaps = []

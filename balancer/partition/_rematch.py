@@ -1,8 +1,9 @@
 """Column re-matching: a global move for few items per part (``B <= 16``).
 
 Two forms: :func:`rematch_columns` moves one column at a time (inputs up to
-N = 1,024), :func:`rematch_blocks` blocks of one or two columns (larger
-inputs; see its docstring). What follows describes the single-column move.
+N = 1,024 with B > 4), :func:`rematch_blocks` blocks of one or two columns
+(larger inputs, and B <= 4 at every size; see its docstring). What follows
+describes the single-column move.
 
 Swaps trade items between two parts. With few items per part the heaviest
 part has few swaps to choose from, and a swap that lowers it usually raises a
@@ -119,6 +120,11 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
 # the quality guard's 256x4 uniform seeds at 3.4e-3 (10: 5.9e-4) and 1024x8 at
 # 2.4-4.2e-5 above the bound (10: 1.4-1.8e-5).
 _IDLE_BLOCKS = 10
+# _order: exact (stable argsort) orders up to this many parts, where the coarse
+# keys' extra numpy calls cost more than they save (256 keys: 4.0 against 6.8 us
+# per order; 512: 9.1 against 8.5). Shapes with N > 1,024 and W <= 256 (128x16 to
+# 256x16 Zipf, 256x8, 512x4) keep their quality (throwaway A/B, 8-16 seeds).
+_EXACT_MAX_PARTS = 256
 
 
 def rematch_blocks(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
@@ -202,7 +208,10 @@ def _blocks(b: int) -> list[tuple[int, ...]]:
 
 def _order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
     """Ascending (or descending) order of ``keys``, ties by index, the same on every machine:
-    integer keys by :func:`coarse_keys` of ``keys - min`` (or ``max - keys``), floats exactly."""
+    integer keys by :func:`coarse_keys` of ``keys - min`` (or ``max - keys``) from
+    ``_EXACT_MAX_PARTS`` keys on, exactly below; floats exactly."""
+    if keys.dtype.kind == "i" and keys.size <= _EXACT_MAX_PARTS:
+        return np.argsort(-keys if descending else keys, kind="stable")
     if keys.dtype.kind == "i":
         lo, hi = int(keys.min()), int(keys.max())
         return np.argsort(coarse_keys(hi - keys if descending else keys - lo, hi - lo), kind="stable")

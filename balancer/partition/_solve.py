@@ -18,7 +18,7 @@
    result ends more than 1e-3 above the bound, and the better one is kept
    (uniform B = 4 has such a block too);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
-   columns up to N = 1,024, blocks of one or two columns above; above N =
+   columns up to N = 1,024 (B > 4), blocks of one or two columns above; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
    swaps are skipped when it gets there;
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
@@ -82,6 +82,13 @@ _ROUND_MIN_HEAVY = (4, 1)
 # (a move costs two sorts of W: 16 moves at W = 16,384, ~0.7 ms each)
 _REMATCH_MAX_B = 16
 _BLOCKS_MIN_ITEMS = 1025  # re-matching by blocks of two columns from here (rematch_blocks)
+# ... and at every N for B <= _BLOCKS_MAX_B: four columns give 10 blocks, and the
+# six pairs re-pair the parts' halves where single columns stall. Small shapes
+# of bench_partition, 8 seeds, side by side: 256x4 uniform 1.9e-3 | 3.3e-3 ->
+# 4.0e-4 | 6.1e-4 above the bound (median | worst) in 0.80 -> 1.14 ms; every
+# other configuration identical (B = 8 at 128x8 was 2.3x slower for 2.8x better
+# quality, so it keeps single columns below N = 1,025).
+_BLOCKS_MAX_B = 4
 _REMATCH_MOVES = 64
 _REMATCH_ITEMS = 1 << 18
 # ... but at least _REMATCH_MIN_MOVES (within 8 cycles and _REMATCH_MOVES): from
@@ -301,9 +308,10 @@ def refine(v: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: int | flo
     w, b = rows.shape
     large = int(v.size > _LARGE)
     if b <= _REMATCH_MAX_B:
-        # Blocks of two columns above N = 1,024; single columns below, where
-        # the blocks' extra moves would cost the 1 ms target (_BLOCKS_MIN_ITEMS).
-        rematch = rematch_blocks if v.size >= _BLOCKS_MIN_ITEMS else rematch_columns
+        # Blocks of two columns above N = 1,024 and at B <= 4; single columns
+        # otherwise, where the blocks' extra moves would cost the 1 ms target
+        # (_BLOCKS_MIN_ITEMS, _BLOCKS_MAX_B).
+        rematch = rematch_blocks if v.size >= _BLOCKS_MIN_ITEMS or b <= _BLOCKS_MAX_B else rematch_columns
         rematch(v, rows, loads, target if rematch_target is None else rematch_target,
                 _rematch_moves(w, b), stop_at)
         if loads.max() <= target or late(stop_at) or not swaps:
