@@ -71,6 +71,7 @@ from balancer.partition import (  # noqa: E402
     lower_bound,
 )
 from balancer.partition._balanced import partition_rows, solve_rows  # noqa: E402
+from balancer.partition._crowded import crowding  # noqa: E402
 from balancer.partition._lpt import lpt  # noqa: E402
 from balancer.partition._refine import polish, swap_rounds  # noqa: E402
 
@@ -790,12 +791,12 @@ def crowded_split(v: np.ndarray, w: int, target: int, rounds: int, steps: int) -
     n = v.size
     b = n // w
     k = n - int(np.searchsorted(v, v[-1], side="left"))
-    c = -(-k // w)
+    crowd = crowding(v, w, k, target, lambda j: int(v[:j].sum()))
+    if crowd is None or k % w == 0:
+        return None
+    c, a, _ = crowd
     low = int(v[-1])
     m = n - k
-    if c >= b or k % w == 0 or (c + 1) * low + int(v[: b - c - 1].sum()) <= target:
-        return None
-    a = k - (c - 1) * w
     n2 = (w - a) * (b - c + 1)
     prefix = np.concatenate([[0], np.cumsum(v[:m])])
     j = np.arange(n2 + 1)

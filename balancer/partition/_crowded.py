@@ -32,11 +32,46 @@ it raises the bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ["crowded_bound"]
+__all__ = ["Crowding", "crowded_bound", "crowding"]
 
 _BLOCKS = 4  # tie blocks from the top tried as the big items
+
+
+class Crowding(NamedTuple):
+    """How the ``K`` largest items crowd the parts under a cap ``T`` on every part
+    (steps 1 and 2 of the module docstring)."""
+
+    c: int  # ceil(K / W): the crowded parts hold this many big items, the others c - 1
+    a: int  # the crowded parts, K - (c - 1) W
+    keep: int  # the non-big items at or below ``cap`` (the first ``keep``); the rest are forced
+
+
+def crowding(v: np.ndarray, num_parts: int, k: int, t: int | float,
+             smallest: Callable[[int], int | float]) -> Crowding | None:
+    """:class:`Crowding` of the ``k`` largest items of ascending ``v`` under ``t``, or
+    ``None`` where they do not crowd the parts: ``c >= B``, or ``c + 1`` of them fit in
+    one part with the ``B - c - 1`` smallest items.
+
+    ``smallest(j)`` is the sum of the ``j`` smallest items (prefix sums). The
+    bound, the crowded start and the benchmark's class split share this
+    arithmetic; the bound calls it with Python scalars inside a bisection on ``t``.
+    """
+    n = v.size
+    b = n // num_parts
+    c = -(-k // num_parts)
+    if c >= b:
+        return None
+    low = v[n - k].item()
+    fill = smallest(b - c - 1)
+    if (c + 1) * low + fill <= t:
+        return None
+    cap = t - c * low - fill
+    return Crowding(c, k - (c - 1) * num_parts, int(np.searchsorted(v[: n - k], cap, side="right")))
 
 
 def crowded_bound(v: np.ndarray, prefix: np.ndarray, num_parts: int, best: int | float) -> int | float:
@@ -67,16 +102,11 @@ def crowded_bound(v: np.ndarray, prefix: np.ndarray, num_parts: int, best: int |
 
     def refuted(t: int | float, k: int) -> bool:
         """Whether no partition keeps every part at or below ``t`` (the test above)."""
-        c = -(-k // w)
-        if c >= b:
+        crowd = crowding(v, w, k, t, S)
+        if crowd is None:
             return False
-        low = v[n - k].item()
-        if (c + 1) * low + S(b - c - 1) <= t:
-            return False
-        a = k - (c - 1) * w
+        c, a, keep = crowd
         parts = w - a
-        cap = t - c * low - S(b - c - 1)
-        keep = int(np.searchsorted(v[: n - k], cap, side="right"))
         forced = n - k - keep
         slots = parts * b - (c - 1) * parts - forced
         if slots < 0:

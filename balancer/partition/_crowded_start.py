@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from balancer.partition._crowded import crowding
 from balancer.partition._fill import fill
 
 __all__ = ["MISS", "OTHER_GOALS", "crowded_start"]
@@ -128,13 +129,12 @@ def crowded_start(v: np.ndarray, num_parts: int, prefix: np.ndarray, target: int
     n, w = v.size, num_parts
     b = n // w
     k = n - int(np.searchsorted(v, v[-1], side="left"))
-    c = -(-k // w)
-    if c < min_big or c >= b or k % w == 0 or (c + 1) * v[-1] + prefix[b - c - 1] <= target \
-            or prefix[n] < _FULL * w * bound:
+    crowd = crowding(v, w, k, target, prefix.__getitem__)
+    if crowd is None or crowd.c < min_big or k % w == 0 or prefix[n] < _FULL * w * bound:
         return None
-    low, m = v[-1], n - k
-    a = k - (c - 1) * w  # parts with c big items: 0..a-1; the others hold c - 1
-    keep = int(np.searchsorted(v[:m], target - c * low - prefix[b - c - 1], side="right"))
+    # Parts 0..a-1 hold c big items, the others c - 1; items keep..m-1 are forced.
+    c, a, keep = crowd
+    m = n - k
     free = b - c + 1  # filler places of a part with c - 1 big items
     if m - keep > (w - a) * free:
         return None
