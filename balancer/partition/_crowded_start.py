@@ -40,11 +40,13 @@ Re-matching then does the rest; swaps find nothing to trade after it.
 :func:`balancer.partition._solve.solve` uses this start first above N =
 16,384 (B <= 16, ``c >= 2``: Zipf; the regular path is its second try) and
 otherwise as a second try where the
-regular result ends more than ``MISS`` above the bound (from N = 1,025 and
-with ``c >= 1``: uniform 65536x4 then goes from 1.6e-3 to 4.6e-3 above the
-bound to 0.9e-4 to 1.4e-4), keeping the better one. The second try packs the
-cores by four goals and keeps the best packing (``_GOALS``): with few forced
-items per core, which goal packs them well varies from input to input.
+regular result ends more than ``MISS`` above the bound, keeping the better
+one (from N = 1,025 also with ``c = 1``: uniform 65536x4 then goes from
+1.6e-3 to 4.6e-3 above the bound to 0.9e-4 to 1.4e-4; below, Zipf 64x16
+seed 5 of ``bench_partition`` from 2.5e-2 to 6.2e-3). From N = 1,025 the
+second try packs the cores by four goals and keeps the best packing
+(``_GOALS``): with few forced items per core, which goal packs them well
+varies from input to input.
 Measured: ``docs/benchmarks_partition.md``, "A start for crowded parts" and
 "Four goals for the cores".
 """

@@ -14,9 +14,9 @@
    once). Where the top tie block crowds full parts (Zipf lengths clipped at
    a maximum, :mod:`balancer.partition._crowded_start`), the crowded start:
    first above N = 16,384 with B <= 16 (the regular path is then its second
-   try), otherwise a second try from N = 1,025; a second try runs when the
-   result ends more than 1e-3 above the bound, and the better one is kept
-   (uniform B = 4 has such a block too);
+   try), otherwise a second try; a second try runs when the result ends
+   more than 1e-3 above the bound, and the better one is kept (from N =
+   1,025 also with one big item per part, as uniform B = 4 has);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
    columns up to N = 1,024 (B > 4), blocks of one or two columns above; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
@@ -166,6 +166,12 @@ _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 # 1.22 -> 0.74 ms; quality within 1.2x or better (uniform 16x16 2.6e-5 ->
 # 1.5e-5 above the bound, 64x16 2.9e-5 -> 3.4e-5).
 _ROUNDS_MIN_ITEMS = 1025
+# Below N = _SMALL_TRIES the second try is the crowded start with its own goal
+# alone, for two or more big items per part (Zipf): one big item per part
+# (uniform B = 4) changed no quality there for 3.6 ms at 256x4, and the other
+# goals for the cores changed no seed of 16x16 to 64x16 and 32x32 Zipf (16
+# seeds of bench_partition, throwaway A/B), for up to 2.5 ms more.
+_SMALL_TRIES = 1025
 _POLISH_STEPS_SMALL = 256
 _PAIR_STEPS_SMALL = 6
 
@@ -224,16 +230,20 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
         rows, loads = crowded
     else:
         rows, loads = _regular(v, w, prefix, target, stop_at, loose, alternate)
-    if n >= _ROUNDS_MIN_ITEMS and loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
+    if loads.max() > bound * (1 + CROWDED_MISS) and not late(stop_at):
         # Far above the bound: the other path, then the crowded start with the
         # best packing of its other goals for the cores; the best partition is
-        # kept. The crowded start here also takes one big item per part.
+        # kept. From N = 1,025 the crowded start here also takes one big item
+        # per part, and packs the cores by its other goals (_SMALL_TRIES).
+        small = n < _SMALL_TRIES
+        min_big = 2 if small else 1
+
         def other() -> tuple[np.ndarray, np.ndarray] | None:
             if crowded is not None:
                 return _regular(v, w, prefix, target, stop_at, loose, alternate)
-            return crowded_with(1)
+            return crowded_with(min_big)
 
-        for attempt in (other, lambda: crowded_with(1, OTHER_GOALS)):
+        for attempt in (other,) if small else (other, lambda: crowded_with(min_big, OTHER_GOALS)):
             got = attempt()
             if got is None:
                 break
