@@ -16,8 +16,9 @@ maximum of:
   them carries the average ``g_k(m) = (top_k + S(mB - k)) / m``. The bound
   uses ``min_m g_k(m)`` for every ``k``;
 * crowded (equal sizes only, :mod:`balancer.partition._crowded`): when the
-  largest tie block (truncated lengths) forces parts to hold ``c`` of its
-  items each, fillers too big to join them must fit in the other parts.
+  largest tie blocks (truncated lengths) force parts to hold ``c`` of their
+  items each, fillers too big to join them must fit in the other parts, and
+  those crowded parts carry at least their own average.
 
 ``g_k`` is unimodal in ``m``: going from ``m`` to ``m + 1`` parts adds the next
 ``B`` fillers ``chunk(m) = S((m+1)B - k) - S(mB - k)``, so ``g_k(m + 1) <
@@ -74,7 +75,9 @@ def lower_bound(workloads: Any, num_parts: int, *, equal_size: bool = True, min_
       ``K - (c-1)W`` parts hold ``c`` of those items; a filler too big to sit
       beside ``c`` of them must go to the other parts, and when those cannot
       hold all such fillers below a load ``T``, no partition stays below ``T``
-      (:mod:`balancer.partition._crowded`).
+      (:mod:`balancer.partition._crowded`). Also, the ``K - (c-1)W`` parts
+      holding the most of the ``K`` hold at least ``c`` each on average, and
+      ``B - c`` other items each: one of them carries their average.
 
     The bound is the maximum over all terms, the grouped term for every
     ``k < W`` (the minimum over ``m`` by binary search: the average is
