@@ -11,24 +11,25 @@ maximum of:
 * pigeonhole: of the ``k`` largest some part holds ``c = ceil(k / W)``, at
   least the ``c`` smallest of them, plus ``a - c`` other items, at least
   ``S(a - c)``;
-* grouped (equal sizes only): the ``k < W`` largest lie in ``m`` parts,
-  ``ceil(k / B) <= m <= k``, which hold at least ``top_k + S(mB - k)``; one of
-  them carries the average ``g_k(m) = (top_k + S(mB - k)) / m``. The bound
-  uses ``min_m g_k(m)`` for every ``k``;
+* grouped (equal sizes only): the ``k < W`` largest lie in at most ``k``
+  parts. Any ``k`` parts that hold them all hold ``kB`` items, the ``k`` and
+  ``k (B - 1)`` others, at least ``top_k + S(k(B - 1))``, and one of them
+  carries the average ``g_k = (top_k + S(k(B - 1))) / k``, for every ``k``;
 * crowded (equal sizes only, :mod:`balancer.partition._crowded`): when the
   largest tie blocks (truncated lengths) force parts to hold ``c`` of their
   items each, fillers too big to join them must fit in the other parts, and
   those crowded parts carry at least their own average.
 
-``g_k`` is unimodal in ``m``: going from ``m`` to ``m + 1`` parts adds the next
-``B`` fillers ``chunk(m) = S((m+1)B - k) - S(mB - k)``, so ``g_k(m + 1) <
-g_k(m)`` iff ``chunk(m) < g_k(m)``, and once ``chunk(m) >= g_k(m)`` it stays so
-(``g_k(m + 1)`` lies between ``g_k(m)`` and ``chunk(m)``, and chunks grow with
-``m``). The minimum is therefore at the first ``m`` with ``chunk(m) >=
-g_k(m)``: a binary search, vectorised over all ``k``. For integers the test
-``chunk >= ceil(num / m)`` is exact (``chunk`` is an integer), so the bound is
-exact; only ``k`` whose best case (``m = k``) can beat the running maximum are
-searched.
+Until the fourteenth pass of issue 14 the grouped term was the minimum over
+the number ``m`` of parts the ``k`` largest occupy (``ceil(k / B) <= m <=
+k``) of their average ``g_k(m) = (top_k + S(mB - k)) / m``, found by a
+binary search. Beside the mean term that is the same bound: ``g_k(m)`` is
+unimodal in ``m`` (going to ``m + 1`` parts adds the next ``B`` fillers,
+``chunk(m) = S((m+1)B - k) - S(mB - k)``; ``g_k`` falls while ``chunk(m) <
+g_k(m)``, and once ``chunk(m) >= g_k(m)`` it stays so, since ``g_k(m + 1)``
+lies between the two and chunks grow with ``m``). Where its minimum lies
+below ``m = k``, ``g_k`` rises from there to ``g_k(W)``, the mean, so
+``g_k(k)`` is below the mean too; otherwise the minimum is ``g_k(k)``.
 
 The grouped term holds for free sizes too (with ``a`` in place of ``B``; it
 adds nothing when ``a <= 1``), but the free-size refinement targets were
@@ -65,12 +66,12 @@ def lower_bound(workloads: Any, num_parts: int, *, equal_size: bool = True, min_
       the sum of any ``c`` of them is at least the sum of the ``c`` smallest of
       the ``k``, and its other ``B - c`` items (distinct from those) sum to at
       least ``S(B - c)``. ``k = 1`` gives ``max item + S(B - 1)``;
-    * grouped: let the ``k`` largest items (``k < W``) lie in ``m`` distinct
-      parts, ``ceil(k/B) <= m <= k``. Those parts hold ``mB`` items, the ``k``
-      plus ``mB - k`` others, so their total is ``>= top_k + S(mB - k)`` and
-      one of them carries the average. Minimising over ``m`` covers every
-      partition. This is tight when a few huge items each need a part topped
-      up with the smallest fillers (e.g. 362 clipped samples among 8192 parts);
+    * grouped: the ``k`` largest items (``k < W``) lie in at most ``k``
+      parts. Any ``k`` parts that hold them all hold ``kB`` items, the ``k``
+      plus ``k (B - 1)`` others, so their total is ``>= top_k + S(k(B - 1))``
+      and one of them carries the average. This is tight when a few huge
+      items each need a part topped up with the smallest fillers (e.g. 362
+      clipped samples among 8192 parts);
     * crowded: with ``K`` the largest tie block and ``c = ceil(K/W)``, at least
       ``K - (c-1)W`` parts hold ``c`` of those items; a filler too big to sit
       beside ``c`` of them must go to the other parts, and when those cannot
@@ -80,8 +81,7 @@ def lower_bound(workloads: Any, num_parts: int, *, equal_size: bool = True, min_
       ``B - c`` other items each: one of them carries their average.
 
     The bound is the maximum over all terms, the grouped term for every
-    ``k < W`` (the minimum over ``m`` by binary search: the average is
-    unimodal in ``m``). For integers it is exact (ceil of the averages,
+    ``k < W``. For integers it is exact (ceil of the averages,
     rounded down to a float); for floats it is reduced by ``4 N eps`` to
     absorb rounding.
 
@@ -184,29 +184,9 @@ def bound_sorted(v: np.ndarray, num_parts: int, *, equal_size: bool = True, min_
     best = max(best, pig.max().item())
     if not equal_size or w < 2:
         return best
-    # Grouped, for every k < W whose best case (each of the k alone with the
-    # smallest fillers, m = k) beats the running maximum.
+    # Grouped, for every k < W: the k largest and k (B - 1) smallest others
+    # over k parts.
     k = np.arange(1, w, dtype=np.int64)
-    top = total - prefix[n - k]
-    alone = top + prefix[k * (b - 1)]
-    # The filter may keep a few too many (float), never too few.
-    useful = alone / k > float(best) * (1.0 - 1e-9)
-    k, top = k[useful], top[useful]
-    if k.size == 0:
-        return crowded_bound(v, prefix, w, best)
-    lo = -(-k // b)  # the first m with P(m) lies in [lo, k]; P(k) holds by convention
-    hi = k.copy()
-    while True:
-        act = lo < hi
-        if not act.any():
-            break
-        mid = (lo + hi) // 2
-        start = prefix[mid * b - k]
-        chunk = prefix[(mid + 1) * b - k] - start
-        num = top + start
-        found = chunk >= (-(-num // mid) if is_int else num / mid)
-        hi = np.where(act & found, mid, hi)
-        lo = np.where(act & ~found, mid + 1, lo)
-    num = top + prefix[lo * b - k]
-    f = -(-num // lo) if is_int else num / lo
+    num = total - prefix[n - k] + prefix[k * (b - 1)]
+    f = -(-num // k) if is_int else num / k
     return crowded_bound(v, prefix, w, max(best, f.max().item()))
