@@ -37,7 +37,9 @@ hold at most ``(c - 1)(W - a) = K - c a``). Those ``a`` parts then hold
 ``c a`` big items, at least the ``c a`` smallest, and ``a (B - c)`` other
 items, at least the ``a (B - c)`` smallest (any that many distinct items
 weigh that much), so one of them carries at least the average. This term
-needs no cap and no bisection. It is what is left above the other terms on
+needs no cap and no bisection. With ``K < W`` (``c = 1``, ``a = K``) it is
+the grouped term of :mod:`balancer.partition._bound`, which takes it for
+every ``K < W``; here it runs for the top tie blocks, whatever their size. It is what is left above the other terms on
 Zipf at small shapes, where the crowded parts need more fillers than the
 ``B - c`` smallest that the pigeonhole term gives each: 16x16 seeds 0, 1, 3
 of ``bench_partition`` 0.8-1.6e-4 above them, 128x8 1.2-4.7e-5, 256x16 seed 1
