@@ -39,11 +39,13 @@ items, at least the ``a (B - c)`` smallest (any that many distinct items
 weigh that much), so one of them carries at least the average. This term
 needs no cap and no bisection. With ``K < W`` (``c = 1``, ``a = K``) it is
 the grouped term of :mod:`balancer.partition._bound`, which takes it for
-every ``K < W``; here it runs for the top tie blocks, whatever their size. It is what is left above the other terms on
-Zipf at small shapes, where the crowded parts need more fillers than the
-``B - c`` smallest that the pigeonhole term gives each: 16x16 seeds 0, 1, 3
-of ``bench_partition`` 0.8-1.6e-4 above them, 128x8 1.2-4.7e-5, 256x16 seed 1
-3.2e-4 (the partitions there were within 1.4e-5 of it).
+every ``K < W``; here it runs for the top tie blocks, whatever their size.
+It is what is left above the other terms on Zipf at small shapes, where the
+crowded parts need more fillers than the ``B - c`` smallest that the
+pigeonhole term gives each. Over 16 seeds of ``bench_partition`` it raises
+the bound on 7 at 16x16 (2.0e-5 to 3.3e-4), 9 at 128x8, 7 at 64x16 and all
+16 at 2048x8, and the partitions there end within 2.2e-5 of it
+(``docs/benchmarks_partition.md``, "The crowded parts' own average").
 """
 
 from __future__ import annotations

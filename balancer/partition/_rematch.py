@@ -122,8 +122,9 @@ def rematch_columns(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, targe
 _IDLE_BLOCKS = 10
 # _order: exact (stable argsort) orders up to this many parts, where the coarse
 # keys' extra numpy calls cost more than they save (256 keys: 4.0 against 6.8 us
-# per order; 512: 9.1 against 8.5). Shapes with N > 1,024 and W <= 256 (128x16 to
-# 256x16 Zipf, 256x8, 512x4) keep their quality (throwaway A/B, 8-16 seeds).
+# per order; 512: 9.1 against 8.5). Shapes with N > 1,024 and W <= 256 (128x16 and
+# 256x16 Zipf, 256x8 uniform and lognormal) keep their quality (throwaway A/B,
+# 8-16 seeds).
 _EXACT_MAX_PARTS = 256
 
 

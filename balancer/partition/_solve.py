@@ -18,7 +18,7 @@
    more than 1e-3 above the bound, and the better one is kept (from N =
    1,025 also with one big item per part, as uniform B = 4 has);
 4. for ``B <= 16``, re-matching (:mod:`balancer.partition._rematch`): single
-   columns up to N = 1,024 (B > 4), blocks of one or two columns above; above N =
+   columns up to N = 1,024 with B > 4, else blocks of one or two columns; above N =
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
    swaps are skipped when it gets there;
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
@@ -85,7 +85,7 @@ _BLOCKS_MIN_ITEMS = 1025  # re-matching by blocks of two columns from here (rema
 # ... and at every N for B <= _BLOCKS_MAX_B: four columns give 10 blocks, and the
 # six pairs re-pair the parts' halves where single columns stall. Small shapes
 # of bench_partition, 8 seeds, side by side: 256x4 uniform 1.9e-3 | 3.3e-3 ->
-# 4.0e-4 | 6.1e-4 above the bound (median | worst) in 0.80 -> 1.14 ms; every
+# 4.0e-4 | 6.1e-4 above the bound (median | worst) in 0.80 -> 1.11-1.14 ms; every
 # other configuration identical (B = 8 at 128x8 was 2.3x slower for 2.8x better
 # quality, so it keeps single columns below N = 1,025).
 _BLOCKS_MAX_B = 4
