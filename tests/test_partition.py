@@ -675,16 +675,19 @@ def test_rematch_move_is_the_best_matching_of_its_column() -> None:
 
 
 @pytest.mark.parametrize("block", [(2,), (0, 2), (1, 3)])
-@pytest.mark.parametrize("floats", [False, True])
-def test_rematch_block_move_is_the_best_matching_of_its_block(block: tuple[int, ...], floats: bool,
+@pytest.mark.parametrize("floats,exact", [(False, True), (False, False), (True, True)])
+def test_rematch_block_move_is_the_best_matching_of_its_block(block: tuple[int, ...], floats: bool, exact: bool,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # One block move against every way of handing the parts' blocks back (5! = 120):
     # the block's items travel together, and the move reaches the best max load
-    # of them all (or keeps the old one). Integers take the radix order, floats
-    # order_floats.
+    # of them all (or keeps the old one). Integers take the exact order (up to
+    # 256 parts) or the coarse keys (exact too for spans below 2**16, as here);
+    # floats order_floats.
     from balancer.partition import _rematch
 
     monkeypatch.setattr(_rematch, "_blocks", lambda b: [block])
+    if not exact:
+        monkeypatch.setattr(_rematch, "_EXACT_MAX_PARTS", 0)
     rng = np.random.default_rng(12)
     for _ in range(20):
         w, b = 5, 4
@@ -763,6 +766,8 @@ def test_small_crowded_inputs_get_the_crowded_start_as_a_second_try() -> None:
         parts = balanced_partition(x, 64)
         _check_parts(parts, x.size, 64)
         gaps.append(_max_load(x, parts) / lower_bound(x, 64) - 1)
+        if seed == 6:
+            assert balanced_partition(x.tolist(), 64) == parts, "every rank computes the same partition"
     assert max(gaps) <= 8e-3 and gaps[6] <= 1e-4, f"zipf 64x16: max/bound - 1 = {gaps}"
 
 
