@@ -168,9 +168,10 @@ _PAIR_MAX_PARTS = 32  # ... only for few parts: the step costs O(W) pair tables
 _ROUNDS_MIN_ITEMS = 1025
 # Below N = _SMALL_TRIES the second try is the crowded start with its own goal
 # alone, for two or more big items per part (Zipf): one big item per part
-# (uniform B = 4) changed no quality there for 3.6 ms at 256x4, and the other
-# goals for the cores changed no seed of 16x16 to 64x16 and 32x32 Zipf (16
-# seeds of bench_partition, throwaway A/B), for up to 2.5 ms more.
+# (uniform B = 4) changed no quality there for 3.6 ms at 256x4 (twelfth pass,
+# see above), and the other goals for the cores changed no seed of 16x16 to
+# 64x16 and 32x32 Zipf (16 seeds of bench_partition, throwaway A/B), for up to
+# 3.6 ms more on a seed (64x16's slowest: 3.1 -> 6.7 ms).
 _SMALL_TRIES = 1025
 _POLISH_STEPS_SMALL = 256
 _PAIR_STEPS_SMALL = 6
