@@ -102,6 +102,39 @@ def test_kk_rows_equals_grouping_the_labels_by_sort(w: int, b: int) -> None:
     np.testing.assert_array_equal(kk_rows(part, w), np.argsort(part, kind="stable").reshape(w, b))
 
 
+def _capped_lpt(v: list[Any], loads: list[Any], room: list[int]) -> list[list[int]]:
+    """Capped LPT by a linear scan: ``v`` ascending, served largest first, each to the
+    open part with the least load (then the lowest index); positions per part."""
+    loads, room = list(loads), list(room)
+    got: list[list[int]] = [[] for _ in loads]
+    for pos in range(len(v) - 1, -1, -1):
+        j = min((j for j in range(len(loads)) if room[j] > 0), key=lambda j: (loads[j], j))
+        got[j].append(pos)
+        loads[j] += v[pos]
+        room[j] -= 1
+    return got
+
+
+@pytest.mark.parametrize("kind", ["int", "ties", "float", "huge"])
+def test_lpt_heap_is_capped_lpt(kind: str) -> None:
+    from balancer.partition._lpt import _serve, lpt_heap
+
+    rng = np.random.default_rng(len(kind))
+    for _ in range(40):
+        w, b = int(rng.integers(2, 12)), int(rng.integers(1, 9))
+        v = np.sort({"int": lambda n: rng.integers(0, 1000, n), "ties": lambda n: rng.integers(0, 3, n),
+                     "float": lambda n: rng.random(n),
+                     # beyond int64 once multiplied by W: the heap keeps (load, part) pairs
+                     "huge": lambda n: rng.integers(1 << 60, 1 << 62, n)}[kind](w * b))
+        got = _capped_lpt(v.tolist(), [0] * w, [b] * w)
+        np.testing.assert_array_equal(lpt_heap(v, w), np.array([g[::-1] for g in got]).reshape(w, b))
+        # From loads and rooms of their own (lpt_rows' tail).
+        loads = rng.integers(0, 3000, w).tolist() if kind != "float" else rng.random(w).tolist()
+        room = rng.integers(0, b + 1, w).tolist()
+        items = v[: sum(room)]
+        assert _serve(items, loads, room) == _capped_lpt(items.tolist(), loads, room)
+
+
 def test_karmarkar_karp_matches_textbook_on_small_example() -> None:
     # Rows (1,2) (3,4) (5,6) merged largest-spread first: loads 10 and 11.
     parts = karmarkar_karp([1, 2, 3, 4, 5, 6], 2)

@@ -10,8 +10,10 @@ heavy-tailed inputs while LPT sits within ~2e-4.
 
 Two implementations of the same rule, picked by cost:
 
-* :func:`lpt_heap` -- a ``heapq`` loop, ~0.25 us per item, no numpy call at all
-  (so it never releases the GIL); cheapest for few parts.
+* :func:`lpt_heap` -- a ``heapq`` loop, ~0.2 us per item, no numpy call at all
+  (so it never releases the GIL); cheapest for few parts. Integer workloads
+  key the heap by one Python int ``load * k + part`` instead of the pair
+  ``(load, part)``: the same order, 1.2-1.3x faster at N = 256-1,024.
 * :func:`lpt_rows` -- vectorised over parts: each step hands the next ``m``
   items to the ``m`` lightest open parts at once, where ``m`` counts the parts
   lighter than ``lightest + next item`` (those LPT would serve before it comes
@@ -36,6 +38,8 @@ _ROWS_MIN_PARTS = 40
 # Once this few parts are open (heavy parts topped up at the end), a step
 # serves only a couple of items: the heap is cheaper for the rest.
 _HEAP_TAIL_PARTS = 16
+# Integer heap keys ``load * k + part`` while every item times ``k`` fits int64.
+_MAX_KEYED = 1 << 63
 
 
 def lpt(vals: np.ndarray, num_parts: int) -> np.ndarray:
@@ -59,20 +63,49 @@ def lpt_heap(vals: np.ndarray, num_parts: int) -> np.ndarray:
     cap = n // num_parts
     if cap == 0:
         return np.zeros((num_parts, 0), np.int64)
-    heap: list[tuple[int | float, int]] = [(0, j) for j in range(num_parts)]
-    got: list[list[int]] = [[] for _ in range(num_parts)]
-    pos = n - 1
+    got = _serve(vals, [0] * num_parts, [cap] * num_parts)
+    return np.array(got, dtype=np.int64)[:, ::-1].copy()
+
+
+def _serve(vals: np.ndarray, loads: list[int] | list[float], room: list[int]) -> list[list[int]]:
+    """Exact capped LPT of ``vals`` (ascending, served largest first) onto parts
+    with ``loads`` and ``room`` free slots each (ties to the lower index).
+
+    Returns:
+        Per part, the positions in ``vals`` it receives, descending.
+    """
+    k = len(loads)
+    got: list[list[int]] = [[] for _ in range(k)]
+    pos = vals.size - 1
     # .tolist() gives Python ints/floats: the loop then holds the GIL throughout.
+    if vals.dtype.kind != "f" and (vals.size == 0 or int(vals[-1]) < _MAX_KEYED // k):
+        # Integers: one heap key ``load * k + part`` orders as the pair (load,
+        # part) and compares ~1.3x faster than a tuple (Python ints: exact).
+        heap = [int(load) * k + j for j, load in enumerate(loads) if room[j] > 0]
+        heapq.heapify(heap)
+        for xk in (vals[::-1] * k).tolist():
+            key = heap[0]
+            j = key % k
+            mine = got[j]
+            mine.append(pos)
+            pos -= 1
+            if len(mine) == room[j]:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, key + xk)
+        return got
+    pairs = [(load, j) for j, load in enumerate(loads) if room[j] > 0]
+    heapq.heapify(pairs)
     for x in vals[::-1].tolist():
-        load, j = heap[0]
+        load, j = pairs[0]
         mine = got[j]
         mine.append(pos)
         pos -= 1
-        if len(mine) == cap:
-            heapq.heappop(heap)
+        if len(mine) == room[j]:
+            heapq.heappop(pairs)
         else:
-            heapq.heapreplace(heap, (load + x, j))
-    return np.array(got, dtype=np.int64)[:, ::-1].copy()
+            heapq.heapreplace(pairs, (load + x, j))
+    return got
 
 
 def lpt_rows(vals: np.ndarray, num_parts: int) -> np.ndarray:
@@ -124,21 +157,9 @@ def _finish_with_heap(vals: np.ndarray, open_: np.ndarray, loads: np.ndarray,
                       counts: np.ndarray, rows: np.ndarray) -> None:
     """Assign ``vals`` (ascending, all still unassigned) to the open parts by exact LPT."""
     cap = rows.shape[1]
-    heap = [(load, j) for load, j in zip(loads[open_].tolist(), open_.tolist(), strict=True)]
-    heapq.heapify(heap)
-    cnt = dict(zip(open_.tolist(), counts[open_].tolist(), strict=True))
-    got: dict[int, list[int]] = {j: [] for j in cnt}
-    pos = vals.size - 1
-    for x in vals[::-1].tolist():
-        load, j = heap[0]
-        got[j].append(pos)
-        pos -= 1
-        cnt[j] += 1
-        if cnt[j] == cap:
-            heapq.heappop(heap)
-        else:
-            heapq.heapreplace(heap, (load + x, j))
-    for j, mine in got.items():
+    room = (cap - counts[open_]).tolist()
+    got = _serve(vals, loads[open_].tolist(), room)
+    for j, mine in zip(open_.tolist(), got, strict=True):
         if mine:
-            rows[j, cap - cnt[j] : cap - counts[j]] = mine[::-1]
-            counts[j] = cnt[j]
+            rows[j, cap - counts[j] - len(mine) : cap - counts[j]] = mine[::-1]
+            counts[j] += len(mine)
