@@ -1085,16 +1085,18 @@ def test_best_move_is_the_best_swap(floats: bool, repair: bool) -> None:
 
 
 def test_range_min_is_the_minimum_of_each_range() -> None:
-    # The sparse table behind the two-for-two ranking, against slicing.
+    # The sparse table behind the two-for-two ranking, against slicing, for one
+    # row and for two at once (the polish asks for the least and the most).
     rng = np.random.default_rng(3)
     for n in (1, 2, 3, 7, 64, 100, 496):
-        x = rng.integers(-50, 50, n).astype(np.float64)
+        x = rng.integers(-50, 50, (2, n)).astype(np.float64)
         lo = rng.integers(0, n + 1, 300)
         hi = lo + rng.integers(-3, n + 1, 300)
         hi = np.clip(hi, 0, n)
-        want = [x[a:b].min() if b > a else np.inf for a, b in zip(lo, hi, strict=True)]
+        want = [[r[a:b].min() if b > a else np.inf for a, b in zip(lo, hi, strict=True)] for r in x]
+        np.testing.assert_array_equal(_range_min(x[:1], lo, hi), want[:1])
         np.testing.assert_array_equal(_range_min(x, lo, hi), want)
-    assert _range_min(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
+    assert _range_min(np.zeros((1, 0)), np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (1, 0)
 
 
 def test_repair_move_is_the_best_swap_at_b32() -> None:

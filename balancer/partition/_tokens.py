@@ -433,8 +433,9 @@ def _row_ranges(keys: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np
     lo_v, hi_v = float(keys[:, 0].min()), float(keys[:, -1].max())
     off = (np.arange(k, dtype=np.float64) * (hi_v - lo_v + 4.0))[:, None]
     flat = (keys + off).ravel()
-    lo = np.searchsorted(flat, (np.clip(low, lo_v - 1, hi_v + 1) + off).ravel(), side="left")
-    hi = np.searchsorted(flat, (np.clip(high, lo_v - 1, hi_v + 1) + off).ravel(), side="right")
+    # np.minimum(np.maximum(...)) is np.clip without its per-call dtype checks.
+    lo = np.searchsorted(flat, (np.minimum(np.maximum(low, lo_v - 1), hi_v + 1) + off).ravel(), side="left")
+    hi = np.searchsorted(flat, (np.minimum(np.maximum(high, lo_v - 1), hi_v + 1) + off).ravel(), side="right")
     return lo, hi
 
 
@@ -520,17 +521,19 @@ def _two_for_two(cp: np.ndarray, tp: np.ndarray, cq: np.ndarray, tq: np.ndarray,
     lo = np.searchsorted(c_q, c_p - win_c[1], side="left")
     hi = np.searchsorted(c_q, c_p - win_c[0], side="right")
     cnt = np.maximum(hi - lo, 0)
-    least = _range_min(t_q, lo, hi)  # inf where the range is empty
     if clear is not None:
+        least = _range_min(t_q[None, :], lo, hi)[0]  # inf where the range is empty
         most = np.minimum(t_p - least, clear)
         rank = np.where(most >= win_t[0], -most, np.inf)
         budget = _CLEAR_CANDIDATES
     else:
-        fits = (t_p - least >= win_t[0]) & (t_p + _range_min(-t_q, lo, hi) <= win_t[1])
+        least, neg_most = _range_min(np.stack([t_q, -t_q]), lo, hi)
+        fits = (t_p - least >= win_t[0]) & (t_p + neg_most <= win_t[1])
         n = c_q.size
         at = np.searchsorted(c_q, c_p - middle)  # nearest cQ: at or just below, clipped to the range
-        near = np.minimum(np.abs(c_p - middle - c_q[np.clip(at, lo, hi - 1).clip(0, n - 1)]),
-                          np.abs(c_p - middle - c_q[np.clip(at - 1, lo, hi - 1).clip(0, n - 1)]))
+        top = np.minimum(hi - 1, n - 1)
+        near = np.minimum(np.abs(c_p - middle - c_q[np.maximum(np.minimum(np.maximum(at, lo), top), 0)]),
+                          np.abs(c_p - middle - c_q[np.maximum(np.minimum(np.maximum(at - 1, lo), top), 0)]))
         rank = np.where(fits, near, np.inf)
         budget = _PAIR_CANDIDATES
     order = np.argsort(rank, kind="stable")
@@ -560,23 +563,24 @@ def _triu(b: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _range_min(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``x[lo:hi].min()`` for every query (``inf`` where ``lo >= hi``), by a sparse table."""
-    n = x.size
+    """``x[r, lo:hi].min()`` for every row ``r`` of ``x`` [m, n] and query (``inf`` where
+    ``lo >= hi``), by one sparse table for all rows: [m, Q]."""
+    m, n = x.shape
     cnt = hi - lo
     widest = int(cnt.max()) if cnt.size else 0
     if widest <= 0:
-        return np.full(cnt.shape, np.inf)
-    table = np.empty((widest.bit_length(), n))  # row k: minima of 2**k items from each start
+        return np.full((m, cnt.size), np.inf)
+    table = np.empty((widest.bit_length(), m, n))  # level k: minima of 2**k items from each start
     table[0] = x
     span = 1
     for k in range(1, table.shape[0]):
-        table[k, : n - 2 * span + 1] = np.minimum(table[k - 1, : n - 2 * span + 1],
-                                                  table[k - 1, span: n - span + 1])
+        np.minimum(table[k - 1, :, : n - 2 * span + 1], table[k - 1, :, span: n - span + 1],
+                   out=table[k, :, : n - 2 * span + 1])
         span *= 2
     k = np.frexp(np.maximum(cnt, 1))[1] - 1  # floor(log2(cnt))
-    a = table[k, np.minimum(lo, n - 1)]
-    b = table[k, np.clip(hi - (1 << k), 0, n - 1)]
-    return np.where(cnt > 0, np.minimum(a, b), np.inf)
+    a = table[k, :, np.minimum(lo, n - 1)]  # [Q, m]
+    b = table[k, :, np.minimum(np.maximum(hi - (1 << k), 0), n - 1)]
+    return np.where(cnt > 0, np.minimum(a, b).T, np.inf)
 
 
 def _apply(vals: np.ndarray, tok: np.ndarray, rows: np.ndarray, loads: np.ndarray,
