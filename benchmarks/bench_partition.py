@@ -30,7 +30,7 @@ header line with hardware, versions and load) to ``--json-out``:
 5. locality: fraction of samples (and bytes) that move between ranks with a
    placement-blind assignment vs ``localize``;
 6. compute and memory: compute balanced with a cap on tokens per rank (W = 8-16,
-   20 seeds; W = 32-128, 5 seeds);
+   20 seeds; W = 32-128, 5 seeds; ``--only tokens-scale``: W = 256-1024, 2 seeds);
 7. crowded parts (``--only crowded``): Zipf lengths clipped at 4096 at B = 16,
    the shipped partition next to a class split with long refinement (seconds
    per instance), which shows how much of the gap to the bound is the
@@ -871,7 +871,7 @@ def main() -> None:
                     help="git commit whose balanced_partition is the 'before' reference ('none': skip)")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections: quality,scale,small,load,curves,threads,locality,tokens,"
-                         "crowded")
+                         "tokens-scale,crowded")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated WxB: run the scale and load sections on these shapes only")
     ap.add_argument("--dists", default=",".join(DISTS),
@@ -950,6 +950,9 @@ def main() -> None:
         if want("tokens"):
             tokens((8, 12, 16), 20, (None, 1.10, 1.05, 1.03, 1.02, 1.01), emit, before)
             tokens((32, 64, 128), 5, (None, 1.05, 1.03, 1.02, 1.01), emit, before, ", more ranks")
+        if want("tokens-scale"):
+            # Where the capped search stops scaling: ~4W repair and polish steps of ~0.1 ms each.
+            tokens((256, 512, 1024), 2, (None, 1.05, 1.02, 1.01), emit, before, ", at scale")
         if want("crowded"):
             crowded(pick([(64, 16), (128, 16), (1024, 16), (4096, 16), (16384, 16)]), seeds, 320, 5000, emit)
     if out:

@@ -43,6 +43,12 @@ scipy with ``milp``, 1.9 or later)::
     python benchmarks/tokens_mip.py [--w 8] [--seeds 0-5] [--cap 1.01] [--int-from 2048]
                                     [--band 256] [--bound-time 30] [--exact --time-limit 120]
                                     [--patterns --pattern-rtol 1e-4 --pattern-time 900]
+    python benchmarks/tokens_mip.py --certify 32x16,64x16 --seeds 0-7 [--dist zipf]
+                                    [--certify-rtol 1e-4,1e-3] [--pattern-time 900]
+
+``--certify`` asks the pattern test about compute alone (no cap) on
+``bench_partition.py``'s instances: whether ``partition_rows`` is within
+``r`` of the optimum (see :func:`certify_main`).
 
 Workloads as in ``bench_partition.py``'s "Compute and memory" section:
 Zipf(1.2) lengths clipped at 4096, B = 32, compute ``L^2 + 256 L``, tokens ``L``.
@@ -60,13 +66,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_partition import TOKEN_B, token_instance  # noqa: E402  (the same instances)
+from bench_partition import TOKEN_B, make_workloads, token_instance  # noqa: E402  (the same instances)
 
 from balancer.partition import balanced_partition, lower_bound  # noqa: E402
+from balancer.partition._balanced import partition_rows  # noqa: E402
 
 
 def _program(lens: np.ndarray, w: int, cap: float, int_from: int | None = None,
-             band: int | None = None) -> tuple[Any, np.ndarray, np.ndarray, float]:
+             band: int | None = None, per_token: int = 256) -> tuple[Any, np.ndarray, np.ndarray, float]:
     """The capped program over counts ``y[l, p]``, ``M`` and (with ``band``) band counts.
 
     Exact with neither option. Relaxations, each solved far faster (every
@@ -89,7 +96,7 @@ def _program(lens: np.ndarray, w: int, cap: float, int_from: int | None = None,
 
     ls, cnt = np.unique(lens, return_counts=True)
     t, b = ls.size, lens.size // w
-    comp = (ls * ls + 256 * ls).astype(np.float64)
+    comp = (ls * ls + per_token * ls).astype(np.float64)
     scale = float(comp @ cnt) / w  # compute in units of the mean part load
     var = np.arange(t * w).reshape(t, w)  # y[l, p], then M at t * w
     m_col = t * w
@@ -184,8 +191,11 @@ def capped_bound(lens: np.ndarray, w: int, cap: float, int_from: int | None, ban
 
 
 def pattern_test(lens: np.ndarray, w: int, cap: float, m: float,
-                 time_limit: float) -> tuple[str, float, int, float]:
+                 time_limit: float, per_token: int = 256) -> tuple[str, float, int, float]:
     """Whether the pattern relaxation at max compute ``m`` is infeasible (see the module doc).
+
+    Compute is ``L^2 + per_token * L`` per sample; ``cap = inf`` asks about
+    compute alone.
 
     Returns:
         ``(verdict, phase-1 value, iterations, seconds)``; the verdict is
@@ -197,7 +207,7 @@ def pattern_test(lens: np.ndarray, w: int, cap: float, m: float,
 
     ls, cnt = np.unique(lens, return_counts=True)
     t, b = ls.size, lens.size // w
-    comp = (ls * ls + 256 * ls).astype(np.float64)
+    comp = (ls * ls + per_token * ls).astype(np.float64)
     scale = float(comp @ cnt) / w  # compute in units of the mean part load
     c_lo = max(0.0, float(comp @ cnt) - (w - 1) * m) / scale
     t_lo = max(0.0, float(ls @ cnt) - (w - 1) * cap)
@@ -240,6 +250,10 @@ def pattern_test(lens: np.ndarray, w: int, cap: float, m: float,
     return "time out", float("nan"), it, time.perf_counter() - t0
 
 
+def shapes_arg(text: str) -> list[tuple[int, int]]:
+    return [(int(w), int(b)) for w, b in (s.split("x") for s in text.split(","))]
+
+
 def seeds_arg(text: str) -> list[int]:
     if "-" in text:
         a, b = text.split("-")
@@ -263,7 +277,16 @@ def main() -> None:
                     help="the pattern test instead: is max compute <= bound * (1 + --pattern-rtol) reachable?")
     ap.add_argument("--pattern-rtol", type=float, default=1e-4)
     ap.add_argument("--pattern-time", type=float, default=900.0, help="seconds per instance")
+    ap.add_argument("--certify", type=shapes_arg, default=None,
+                    help="compute alone instead, e.g. 32x16,64x16: is the partition within --certify-rtol "
+                         "of the optimum? (bench_partition's instances, --dist)")
+    ap.add_argument("--dist", default="zipf", help="with --certify: bench_partition's distribution")
+    ap.add_argument("--certify-rtol", default="1e-4,1e-3",
+                    help="with --certify: gaps to the optimum tried, smallest first")
     args = ap.parse_args()
+    if args.certify:
+        certify_main(args)
+        return
     if args.patterns:
         patterns_main(args)
         return
@@ -322,6 +345,43 @@ def patterns_main(args: argparse.Namespace) -> None:
         top = max(int(x[r].sum()) for r in balanced_partition(x, w, tokens=lens, max_tokens=cap))
         verdict, _, it, secs = pattern_test(lens, w, cap, bound * (1 + args.pattern_rtol), args.pattern_time)
         print(f"| {seed} | {top / bound - 1:.1e} | {verdict} | {it} | {secs:.0f} |", flush=True)
+
+
+def certify_main(args: argparse.Namespace) -> None:
+    """Compute alone, no cap: how far is ``partition_rows`` from the optimum?
+
+    ``lower_bound`` can sit well below the optimum where clipped lengths
+    crowd the parts (bench_partition's Zipf rows at B = 16 below N = 16,384).
+    The pattern test with no token cap settles it: if no mix of parts, each
+    holding ``B`` samples with compute at most ``ours - r * bound``, uses the
+    samples up, then no partition beats ours by ``r * bound`` either, so ours is
+    within ``r`` (relative to the bound) of the optimum, proven.
+    """
+    rtols = sorted(float(r) for r in args.certify_rtol.split(","))
+    print(f"compute alone ({args.dist}, L^2 + 1024 L as bench_partition): is partition_rows within r of the "
+          f"optimum? (pattern test at max = ours - r * lower_bound, {args.pattern_time:.0f} s each)\n")
+    print("| W x B | seed | ours: max / lower_bound - 1 | proven | optimum >= lower_bound x | ours / that - 1 | s |")
+    print("|---|---|---|---|---|---|---|")
+    for w, b in args.certify:
+        for seed in args.seeds:
+            x, lens = make_workloads(args.dist, w * b, seed)
+            bound = float(lower_bound(x, w))
+            ours = float(x[partition_rows(x, w)].sum(axis=1).max())
+            found, floor, secs = "-", bound, 0.0
+            if ours <= bound * (1 + rtols[0]):
+                found = f"within {rtols[0]:g} of lower_bound"
+            for r in rtols:
+                if ours - r * bound <= floor:
+                    break  # nothing left to prove at this r
+                verdict, _, _, t = pattern_test(lens, w, np.inf, ours - r * bound, args.pattern_time,
+                                                per_token=1024)
+                secs += t
+                if verdict == "infeasible":
+                    found, floor = f"within {r:g} of the optimum", ours - r * bound
+                    break
+                found = f"not within {r:g}" if verdict == "feasible" else f"{verdict} at {r:g}"
+            print(f"| {w}x{b} | {seed} | {ours / bound - 1:.2e} | {found} | {floor / bound:.6f} | "
+                  f"{ours / floor - 1:.1e} | {secs:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

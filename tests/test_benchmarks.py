@@ -148,3 +148,26 @@ def test_capped_bound_is_a_lower_bound_and_exact_when_all_integer(w: int, b: int
     assert proven and abs(bound - exact) <= 1e-6 * exact, (bound, exact)
     assert comp.sum() / w <= bound
 
+
+
+@pytest.mark.parametrize("per_token", [256, 1024])
+def test_pattern_test_without_a_cap_never_refutes_the_optimum(per_token: int) -> None:
+    """tokens_mip.pattern_test on compute alone (``--certify``), against brute force:
+    at the optimum it never claims infeasibility (that would certify a partition
+    better than any that exists); one below the optimum it proves it on some
+    instances where the optimum lies above ``lower_bound`` (else it tests nothing)."""
+    from balancer.partition import lower_bound
+
+    mip = _tokens_mip()
+    above_bound = proven = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        w, b = (2, 5) if seed % 2 else (3, 3)
+        lens = rng.integers(1, 30, w * b)
+        comp = lens * lens + per_token * lens
+        opt = min(max(int(comp[p].sum()) for p in parts) for parts in _partitions(lens.size, w))
+        assert mip.pattern_test(lens, w, np.inf, opt, 60.0, per_token=per_token)[0] == "feasible"
+        if opt > lower_bound(comp, w):
+            above_bound += 1
+            proven += mip.pattern_test(lens, w, np.inf, opt - 1, 60.0, per_token=per_token)[0] == "infeasible"
+    assert above_bound >= 6 and proven >= 6, (above_bound, proven)
