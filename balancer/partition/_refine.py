@@ -16,6 +16,11 @@ When no single swap helps (e.g. lengths are integers and ``L^2 + 1024 L``
 differs by >= 1027 between lengths, so single transfers are coarse),
 :func:`polish_pairs` trades two items for two: differences of pair sums are
 much denser, which closes the last gap to the bound.
+
+Both stop where the heaviest part has no swap left. That can be a tie, or
+a near one: its only trades are with a part just below it, which would go
+over. :func:`level_others` then polishes the other parts as if the heaviest
+were not there (lowering their max makes room), and the whole partition again.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import numpy as np
 from balancer._limits import PACKED_KEY_LIMIT
 from balancer.partition._polish_all import fits, polish_all
 
-__all__ = ["TIMSORT_MIN_PARTS", "coarse_keys", "order_floats", "polish", "polish_pairs", "radix_fits", "radix_order",
-           "sort_order", "sort_values", "swap_rounds"]
+__all__ = ["TIMSORT_MIN_PARTS", "coarse_keys", "level_others", "order_floats", "polish", "polish_pairs", "radix_fits",
+           "radix_order", "sort_order", "sort_values", "swap_rounds"]
 
 _PARTNERS = 8
 _REORDER = 8  # polish: re-sort the loads for partner choice every this many swaps
@@ -426,3 +431,36 @@ def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: 
         steps += 1
     return steps
 
+
+
+def level_others(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
+                 max_steps: int, pair_steps: int, rounds: int, stop_at: float | None = None) -> None:
+    """Where polish stopped above ``target``: level the parts other than the heaviest,
+    then polish all again, ``rounds`` times while the max load falls.
+
+    Polish only trades with the heaviest part ``p``. Where every trade that
+    lowers ``p`` would push its partner over ``p``'s load (two parts tied at
+    the top; the part holding the largest item can only take small fillers
+    from another heavy part), the max stays. Polishing the others alone (their
+    max falls, none goes above it, so none above ``p``) gives ``p`` partners
+    with room. ``pair_steps`` two-for-two swaps join both polishes (0: none).
+    Updates ``rows`` and ``loads`` in place; never raises the max.
+    """
+    w = rows.shape[0]
+    if w < 3:
+        return
+    for _ in range(rounds):
+        top = loads.max()
+        if top <= target or (stop_at is not None and time.perf_counter() >= stop_at):
+            return
+        keep = np.flatnonzero(np.arange(w) != int(np.argmax(loads)))
+        sub_rows, sub_loads = rows[keep], loads[keep]  # copies
+        polish(vals, sub_rows, sub_loads, 0, max_steps, stop_at=stop_at)
+        if pair_steps:
+            polish_pairs(vals, sub_rows, sub_loads, 0, pair_steps)
+        rows[keep], loads[keep] = sub_rows, sub_loads
+        polish(vals, rows, loads, target, max_steps, stop_at=stop_at)
+        if pair_steps and loads.max() > target:
+            polish_pairs(vals, rows, loads, target, pair_steps)
+        if loads.max() >= top:
+            return
