@@ -173,8 +173,10 @@ class BatchShuffler(ShufflerBase):
             the proven minimum if that is higher, with compute balanced under
             the cap. ``None`` (default): compute only (tokens then end around
             1.05x the mean, up to 1.14x, on Zipf lengths). Compute quality is
-            unchanged down to about 1.05; tighter caps cost some compute
-            balance and partition time (``docs/benchmarks_partition.md``).
+            unchanged down to about 1.05 up to W = 256; tighter caps cost some
+            compute balance and partition time, and from W = 512 on the capped
+            partition takes seconds and loses compute balance
+            (``docs/benchmarks_partition.md``).
             ``handle.stats.token_imbalance_after`` shows the result. Needs the
             default ``partition`` and ``capacity=None``.
         group_size: ``None`` (default): balance over all W ranks. An int

@@ -22,9 +22,11 @@
    16,384 only until within ``_REMATCH_RTOL`` (5e-5) of the bound, and the
    swaps are skipped when it gets there;
 5. swap refinement under a *work budget*: parallel rounds (from N = 1,025 on),
-   single best swaps for the heaviest part, two-for-two swaps for few parts.
-   Every swap keeps the item counts and never raises the max, so stopping
-   early is always safe.
+   single best swaps for the heaviest part, two-for-two swaps for few parts;
+   where those stop far above target with few parts (a tie at the top), the
+   other parts levelled and the swaps run again (``level_others``). Every
+   swap keeps the item counts and never raises the max, so stopping early is
+   always safe.
 
 Work is bounded by step counts derived from ``(W, B)`` alone, so the result
 is a deterministic function of the input. An optional deadline (a
