@@ -149,7 +149,6 @@ def test_capped_bound_is_a_lower_bound_and_exact_when_all_integer(w: int, b: int
     assert comp.sum() / w <= bound
 
 
-
 @pytest.mark.parametrize("per_token", [256, 1024])
 def test_pattern_test_without_a_cap_never_refutes_the_optimum(per_token: int) -> None:
     """tokens_mip.pattern_test on compute alone (``--certify``), against brute force:

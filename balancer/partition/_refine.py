@@ -432,7 +432,6 @@ def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: 
     return steps
 
 
-
 def level_others(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                  max_steps: int, pair_steps: int, rounds: int, stop_at: float | None = None) -> None:
     """Where polish stopped above ``target``: level the parts other than the heaviest,
