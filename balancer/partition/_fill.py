@@ -133,8 +133,10 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
         if k >= parts and proj[-1] - proj[0] < e0:
             # All parts lie within one item of each other: full rounds.
             owed = np.minimum(slots, k // parts)
-        elif e <= 0:
-            # Every remaining item equals x0: any dealing gives the same loads.
+        elif e <= 0 or not e0 > 0 or vals[0] == x0:
+            # Every remaining item equals x0 (or, with float workloads, lies
+            # within the prefix sums' rounding of it, which leaves e and e0 a
+            # few ulps off 0, either side): any dealing gives the same loads.
             owed = slots.copy()
         else:
             # Water level: raising the lowest projections by `k * e` in total;
@@ -147,8 +149,11 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
             level = (k * e + csum[inside - 1]) / inside
             owed = np.minimum(np.ceil((level - proj[:inside]) / e0), slots[:inside]).astype(np.int64)
             owed[0] = max(owed[0], 1)
-        # owed >= 1 on a prefix of the projection order (0 only where proj == level).
-        owed = owed[: int(np.count_nonzero(owed))]
+        # owed >= 1 on a prefix of the projection order (0 only where proj ==
+        # level); with float workloads rounding can put a 0 inside it: the
+        # parts before the first 0 are dealt to.
+        short = np.flatnonzero(owed <= 0)
+        owed = owed[: int(short[0]) if short.size else owed.size]
         pos = _deal(vals, flat, cap, ids, load, slots, owed, pos, alternate)
         if not slots[: owed.size].all():
             keep = slots > 0
