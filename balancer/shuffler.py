@@ -176,7 +176,7 @@ class BatchShuffler(ShufflerBase):
             unchanged down to about 1.05 up to W = 256; tighter caps cost some
             compute balance and partition time; at W = 256-1,024 the capped
             partition takes 0.1-0.6 s (about 1 s where both of its starts
-            run), with compute up to ~1e-2 above its bound at 1.01-1.02x
+            run), with compute 3e-3 to 1.4e-2 above its bound at 1.01-1.02x
             (``docs/benchmarks_partition.md``).
             ``handle.stats.token_imbalance_after`` shows the result. Needs the
             default ``partition`` and ``capacity=None``.
