@@ -307,6 +307,22 @@ def test_bound_and_partition_against_brute_force() -> None:
     assert hits / total >= 0.95, f"optimal on {hits}/{total} tiny instances"
 
 
+def test_two_items_a_part_are_partitioned_optimally() -> None:
+    # B = 2: every tiny instance at the brute-force optimum, and at scale the
+    # max of the largest-with-smallest pairing (optimal, see the brute force).
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        w = 2 + trial % 4
+        x = rng.integers(0, 50, 2 * w) ** (1 + trial % 3)
+        assert _max_load(x, balanced_partition(x, w, rtol=0.0)) == _optimum(x, w), x
+    for x in (np.minimum(rng.zipf(1.2, 8192), 4096) ** 2, rng.integers(0, 3, 8192),
+              rng.lognormal(6.0, 1.0, 8192), np.full(8192, 0.1)):
+        parts = balanced_partition(x, 4096)
+        _check_parts(parts, x.size, 4096)
+        v = np.sort(x)
+        assert _max_load(x, parts) == (v[:4096] + v[:4095:-1]).max()
+
+
 @pytest.mark.parametrize("top", [3, 1 << 16, 1 << 31, (1 << 47) + 5, 1 << 50, 1 << 62])
 @pytest.mark.parametrize("n", [100, 5000])
 def test_sort_values_is_the_stable_order(top: int, n: int) -> None:

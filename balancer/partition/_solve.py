@@ -2,7 +2,9 @@
 
 1. :func:`sort_values` (stable: radix or tie-free keys) and prefix sums, shared by the bound
    and the start;
-2. :func:`bound_sorted`: the target is ``bound * (1 + rtol)``;
+2. :func:`bound_sorted`: the target is ``bound * (1 + rtol)``; with two items
+   a part the largest-with-smallest pairing is optimal and is returned at
+   once (131072x2 Zipf: 168 -> 9 ms);
 3. the start: capped LPT (``lpt``: a heap loop, or vectorised over parts for
    W >= 40) up to N = 8192, where it is the cheaper start and refinement
    closes the rest; the projected-load greedy :func:`fill` at scale
@@ -218,6 +220,15 @@ def solve(x: np.ndarray, num_parts: int, rtol: float, stop_at: float | None = No
     order, v = sort_values(x)
     prefix = prefix_sums(v)
     bound = bound_sorted(v, w, prefix=prefix)
+    if b == 2:
+        # Two items a part: the largest with the smallest, the second largest
+        # with the second smallest, ... is optimal (if a part held the largest
+        # item with anything but the smallest, swapping those two partners
+        # lowers that part and raises the other to at most the same max).
+        # The fill start took 170 ms for this at 131072x2 Zipf.
+        pairs = np.arange(w, dtype=np.int64)
+        rows = np.stack([pairs, n - 1 - pairs], axis=1)
+        return Solved(order, v, rows, v[pairs] + v[n - 1 - pairs], bound)
     target = bound * (1 + rtol) if rtol > 0 else bound
     if v.dtype.kind == "i":
         target = int(target)
