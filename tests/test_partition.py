@@ -24,6 +24,7 @@ from balancer.partition import (
     lower_bound,
     partition_stats,
 )
+from balancer.partition._balanced import _ascending_rows
 from balancer.partition._tokens import _best_move, _range_min, _wide_single, deal_by_room
 from tests.reference import greedy
 
@@ -305,6 +306,14 @@ def test_bound_and_partition_against_brute_force() -> None:
         if w == 2 and b == 2:
             assert got == opt, "two parts of two: one swap reaches the optimum"
     assert hits / total >= 0.95, f"optimal on {hits}/{total} tiny instances"
+
+
+@pytest.mark.parametrize("w", [2, 7, 256, 257, 1000])
+def test_ascending_rows_sorts_each_part(w: int) -> None:
+    rng = np.random.default_rng(w)
+    b = 3 * (1 + 300 // w)
+    order, rows = rng.permutation(w * b), rng.permutation(w * b).reshape(w, b)
+    np.testing.assert_array_equal(_ascending_rows(order, rows), np.sort(order[rows], axis=1))
 
 
 def test_two_items_a_part_are_partitioned_optimally() -> None:

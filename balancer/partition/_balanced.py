@@ -153,8 +153,27 @@ def _partition(workloads: Any, num_parts: int, *, rtol: float = 1e-5, deadline_m
     if t is not None:
         sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens, stop_at)
     _check_every_item_once(sol.rows, n)
-    rows = np.sort(sol.order[sol.rows], axis=1)
-    return rows, sol.order
+    return _ascending_rows(sol.order, sol.rows), sol.order
+
+
+# Up to this many parts the rows are ordered through a stable argsort of each
+# item's part (uint8: numpy's one-pass radix sort) instead of sorting every row.
+# Side by side on random rows at N = 262,144 (ms, row sorts against the
+# labels): 2x131072 14.8 / 4.9, 16x16384 8.6 / 1.9, 64x4096 6.8 / 2.7,
+# 256x1024 5.1 / 2.8; from 1024x256 on the row sorts are faster (3.4 / 5.1).
+_LABEL_SORT_MAX_PARTS = 256
+
+
+def _ascending_rows(order: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``np.sort(order[rows], axis=1)``: the original indices of each part, ascending."""
+    w, b = rows.shape
+    if w > _LABEL_SORT_MAX_PARTS:
+        return np.sort(order[rows], axis=1)
+    part = np.empty(w * b, np.uint8)
+    part[order[rows]] = np.arange(w, dtype=np.uint8)[:, None]
+    # Stable: within one part the indices come out ascending.
+    out: np.ndarray = np.argsort(part, kind="stable").reshape(w, b)
+    return out
 
 
 def _check_every_item_once(rows: np.ndarray, n: int) -> None:
