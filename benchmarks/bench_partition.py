@@ -427,9 +427,12 @@ def time_side_by_side(fns: dict[str, Callable[[], Any]], reps: int,
 
 
 # ----------------------------------------------------------------- 2. before / after at scale
-SCALE_SHAPES = [(32768, 8), (16384, 16), (8192, 32), (4096, 64), (2048, 128), (1024, 256), (512, 512),
-                (256, 1024), (8192, 8), (256, 512), (64, 128), (32, 32), (8, 128), (4, 256),
-                (256, 4), (128, 8), (64, 16)]
+# Every N = 262,144 shape from 131072x2 to 2x131072 (the issue's "every shape with
+# N <= 262,144"; the very many and the very few parts were added in the seventeenth
+# pass), then smaller ones.
+SCALE_SHAPES = [(131072, 2), (65536, 4), (32768, 8), (16384, 16), (8192, 32), (4096, 64), (2048, 128),
+                (1024, 256), (512, 512), (256, 1024), (64, 4096), (16, 16384), (2, 131072),
+                (8192, 8), (256, 512), (64, 128), (32, 32), (8, 128), (4, 256), (256, 4), (128, 8), (64, 16)]
 
 
 def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, before: Any,
@@ -499,7 +502,7 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
 
 
 # ----------------------------------------------------------------- 2c. under load
-LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 32768x8 ... 256x1024
+LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 131072x2 ... 2x131072
 
 
 def _spin(run: Any, stop: Any, ready: Any) -> None:
