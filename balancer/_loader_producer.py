@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from balancer.batch import BaseBatch, pad_batch
 from balancer.errors import ShuffleAbortedError
 from balancer.shuffler import BatchShuffler, ShuffleStats
+from balancer.tokens import TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,12 @@ class Template:
     """Per rank, from its first batch: the batch size and an all-padding batch."""
 
     batch_size: int | None = None
-    padding: BaseBatch | None = None
+    padding: BaseBatch | TokenBatch | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    batch: BaseBatch
+    batch: BaseBatch | TokenBatch
     stats: ShuffleStats
 
 
@@ -123,8 +124,11 @@ class Run:
 
 
 # ------------------------------------------------------------ producer
-def _padding_like(batch: BaseBatch) -> BaseBatch:
+def _padding_like(batch: BaseBatch | TokenBatch) -> BaseBatch | TokenBatch:
     """A batch of the same layout and size with no real sample (zero lengths, zero rows)."""
+    if isinstance(batch, TokenBatch):
+        return _token_padding(batch)
+
     def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
         w = k.weights_or_none()
         return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
@@ -133,7 +137,20 @@ def _padding_like(batch: BaseBatch) -> BaseBatch:
     return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)
 
 
-def _carrier(template: Template) -> BaseBatch:
+def _token_padding(batch: TokenBatch) -> TokenBatch:
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
+        return t.new_zeros((0, *t.shape[1:])) if batch.packed else torch.zeros_like(t)
+    return dataclasses.replace(batch, seq_lens=torch.zeros_like(batch.seq_lens),
+                               tokens={k: tokens(v) for k, v in batch.tokens.items()},
+                               samples={k: torch.zeros_like(v) for k, v in batch.samples.items()},
+                               actual_batch_size=0)
+
+
+def _padded(batch: BaseBatch | TokenBatch, batch_size: int) -> BaseBatch | TokenBatch:
+    return batch.pad(batch_size) if isinstance(batch, TokenBatch) else pad_batch(batch, batch_size)
+
+
+def _carrier(template: Template) -> BaseBatch | TokenBatch:
     """A batch to report a failure with: the padding template if there is one."""
     if template.padding is not None:
         return _padding_like(template.padding)
@@ -151,7 +168,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
             the first batch's). Every rank's batches would be that large, so
             the shuffle alone would not see it.
     """
-    if not isinstance(batch, BaseBatch):
+    if not isinstance(batch, BaseBatch | TokenBatch):
         return batch
     if template.batch_size is None:
         template.batch_size = batch.batch_size
@@ -161,7 +178,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
             f"BalancedLoader's batch_size={template.batch_size} (given, or the first batch's); pass "
             "batch_size >= the loader's largest batch")
     if batch.batch_size < template.batch_size:
-        batch = pad_batch(batch, template.batch_size)
+        batch = _padded(batch, template.batch_size)
     if template.padding is None and batch.batch_size == template.batch_size:
         template.padding = _padding_like(batch)
     return batch
@@ -219,7 +236,7 @@ def _take(source: Iterator[Any], template: Template, exhausted: bool,
     return _padding_like(template.padding), True, None
 
 
-def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch, failure: BaseException,
+def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch | TokenBatch, failure: BaseException,
             group: Any) -> None:
     """Take part in this step with ``failure``: every rank's shuffle raises a
     ``ValueError`` naming it (here chained from it)."""

@@ -1,11 +1,12 @@
 """`BalancedLoader`: balance every rank's batches inside the data loader, on the host.
 
 Wraps each rank's own loader (a ``DataLoader`` or any iterable of
-:class:`~balancer.batch.BaseBatch`). Per step ``s``, on every rank of the group:
+:class:`~balancer.batch.BaseBatch` or :class:`~balancer.tokens.TokenBatch`).
+Per step ``s``, on every rank of the group:
 
 1. a background thread (``balancer-loader``) takes batch ``s`` of this rank's
-   loader and pads it to ``batch_size`` with :func:`~balancer.batch.pad_batch`
-   (an incomplete last batch); once the loader is exhausted it takes an
+   loader and pads it to ``batch_size`` (:func:`~balancer.batch.pad_batch`,
+   :meth:`~balancer.tokens.TokenBatch.pad`; an incomplete last batch); once the loader is exhausted it takes an
    all-padding batch of the same layout instead (see *Uneven loaders*);
 2. the same thread shuffles it with a :class:`~balancer.shuffler.BatchShuffler`
    on the host: metadata all-gather, partition and plan in the shuffler's own
@@ -69,12 +70,13 @@ from balancer.batch import BaseBatch
 from balancer.config import check_bool, check_interval, check_timeout
 from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler, ShuffleStats
+from balancer.tokens import TokenBatch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BalancedLoader"]
 
-_B = TypeVar("_B", bound=BaseBatch)
+_B = TypeVar("_B", bound=BaseBatch | TokenBatch)
 
 
 class BalancedLoader(Generic[_B]):
@@ -97,7 +99,8 @@ class BalancedLoader(Generic[_B]):
         loader.close()
 
     Args:
-        loader: this rank's iterable of :class:`BaseBatch`, the same
+        loader: this rank's iterable of :class:`BaseBatch` or
+            :class:`~balancer.tokens.TokenBatch` (one kind), the same
             ``batch_size`` on every rank (a smaller batch is padded).
         workload_fn: per-sample cost, ``batch -> [batch_size]`` (see
             :mod:`balancer.workloads`).
@@ -125,7 +128,7 @@ class BalancedLoader(Generic[_B]):
                  log_interval: int = 0, token_cap: float | None = None, group_size: int | None = None) -> None:
         me = type(self).__name__
         if not isinstance(loader, Iterable):
-            raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch")
+            raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch or TokenBatch")
         if not callable(workload_fn):
             raise ValueError(f"{me}: workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         check_interval(me, "ahead", ahead)

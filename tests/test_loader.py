@@ -20,9 +20,10 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer import BalancedLoader, BaseBatch, BatchShuffler, pad_batch
+from balancer import BalancedLoader, BaseBatch, BatchShuffler, TokenBatch, pad_batch
 from balancer.testing import HostReadRecorder, run_workers
 from tests.test_shuffler import rows
+from tests.test_tokens import token_batch, token_rows
 
 B = 4
 # The partition in the shuffler's thread: the same partition as in the default
@@ -161,6 +162,56 @@ def test_every_sample_once_per_epoch_matches_the_shuffler_and_ahead() -> None:
         assert sorted(got.elements()) == drawn, epoch  # each exactly once
     for o in outs:
         assert o["ahead"][0] == o["ahead"][1] == o["ahead"][2]
+
+
+# ---------------------------------------------------------- TokenBatch
+TOKEN_COUNTS = [3, 1, 2]  # batches per rank: uneven, so ranks run out at different steps
+
+
+def _token_source(rank: int, packed: bool) -> Iterator[TokenBatch]:
+    n = TOKEN_COUNTS[rank]
+    for step in range(n):  # the last batch is incomplete; ids 1 + (10 * rank + step) * 1000 + i
+        size = B - 1 if step == n - 1 else B
+        yield token_batch(10 * rank + step, size, size, seed=step, packed=packed)
+
+
+def _token_loader_worker(rank: int, w: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for packed in (False, True):
+        drawn = [r for b in _token_source(rank, packed) for r in token_rows(b)]
+        got, sizes = [], []
+        with BalancedLoader(list(_token_source(rank, packed)), lambda b: (b.seq_lens + 1) ** 2,
+                            batch_size=B, **FAST) as loader:  # rank 1's only batch is incomplete
+            for _ in range(2):  # two passes: the padding template is rebuilt per pass
+                for b in loader:
+                    assert isinstance(b, TokenBatch) and b.packed == packed
+                    sizes.append(b.batch_size)
+                    got.append(token_rows(b))
+        out[packed] = (drawn, got, sizes)
+    # A rank with no batch at all reports it through a carrier of another kind: the same error everywhere.
+    empty = [] if rank == 2 else list(_token_source(rank, False))
+    with BalancedLoader(empty, lambda b: (b.seq_lens + 1) ** 2, batch_size=B, **FAST) as loader:
+        out["empty"] = _outcome(loader)[:3]
+    return out
+
+
+def test_token_batches_every_sample_once_per_pass() -> None:
+    # A TokenBatch loader used to fail at the end of every pass: the padding
+    # template was built for BaseBatch only.
+    outs = run_workers(_token_loader_worker, len(TOKEN_COUNTS), timeout=120)
+    for packed in (False, True):
+        drawn = sorted(r for o in outs for r in o[packed][0])
+        assert len(drawn) == sum(B * c - 1 for c in TOKEN_COUNTS)
+        steps = max(TOKEN_COUNTS)
+        for o in outs:
+            assert o[packed][2] == [B] * 2 * steps, o[packed][2]  # every rank yields the same count, padded
+        for p in range(2):
+            got = sorted(r for o in outs for batch in o[packed][1][p * steps:(p + 1) * steps] for r in batch)
+            assert got == drawn, (packed, p)  # each exactly once per pass
+    for o in outs:
+        n, kind, msg = o["empty"]
+        assert (n, kind) == (0, "ValueError") and "yielded no batch before step 0" in msg, o["empty"]
+        assert "rank(s) [2]" in msg and msg == outs[0]["empty"][2]
 
 
 # --------------------------------------------------------------- resume
