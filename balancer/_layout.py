@@ -38,7 +38,7 @@ from balancer.tokens import TokenBatch
 
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
-    "lengths_tensors", "opaque", "wire_layout",
+    "lengths_tensors", "opaque", "section_name", "wire_layout",
 ]
 
 OPAQUE = {8: torch.int64, 4: torch.int32, 2: torch.float16, 1: torch.uint8}
@@ -266,12 +266,12 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
     out = _token_problems(batch, layout) if layout.is_tokens else _kjt_problems(batch, layout)
     for s in layout.sections:
         if s.itemsize not in OPAQUE:
-            out.append(f"{_section_name(s)}: {s.dtype} has {s.itemsize}-byte elements, expected one of "
+            out.append(f"{section_name(s)}: {s.dtype} has {s.itemsize}-byte elements, expected one of "
                        f"{sorted(OPAQUE)} bytes")
     return out
 
 
-def _section_name(s: Section) -> str:
+def section_name(s: Section) -> str:
     """How a section is named in errors: ``tokens['ids']``, ``feats.values``, ``dense``."""
     if s.part in ("tokens", "samples"):
         return f"{s.part}[{s.field!r}]"

@@ -52,6 +52,7 @@ from balancer._layout import (
     WireLayout,
     layout_problems,
     lengths_tensors,
+    section_name,
     section_tensor,
     wire_layout,
 )
@@ -297,9 +298,12 @@ def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tu
         return "batch has another layout (fields, keys, dtypes or per-sample shapes)"
     if batch.actual_batch_size != meta.real:
         return f"batch has actual_batch_size={batch.actual_batch_size}, the started one {meta.real}"
+    problems = layout_problems(batch, layout)  # e.g. a dense field replaced by one of another size
+    if problems:
+        return "; ".join(problems)
     for s in layout.sections:
         if s.jagged:
             n = section_tensor(batch, s).numel()
             if n != meta.numels.get((s.field, s.part)):
-                return f"{s.field}.{s.part} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
+                return f"{section_name(s)} has {n} elements, the started batch {meta.numels.get((s.field, s.part))}"
     return ""

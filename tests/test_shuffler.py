@@ -537,6 +537,14 @@ def _edge_worker(rank: int, w: int) -> dict[str, Any]:
             s.finish_shuffle(make_batch(rank, 6, 4, seed=7), h)
         except ValueError as e:
             out["wrong_batch"] = str(e)
+        # A dense field of another batch size (replaced after start) used to
+        # fail an assert inside phase 2, with the handle used up.
+        bad = dataclasses.replace(batch)
+        bad.dense = batch.dense[:5]  # the constructor checks shapes; an assignment is not checked
+        try:
+            s.finish_shuffle(bad, h)
+        except ValueError as e:
+            out["wrong_dense"] = str(e)
     out["retry"] = s.finish_shuffle(batch, h).batch_size
     # Equal workloads on full batches: nothing moves, so phase 2 issues no
     # collective at all.
@@ -565,6 +573,8 @@ def test_saturated_workloads_retry_and_nothing_moves() -> None:
         assert before == after and sum(before.values()) == 6 + 5, name
         assert all(o[name][2] == 8 for o in outs)
     assert outs[0]["wrong_batch"] == ("finish_shuffle: batch has actual_batch_size=4, the started one 6; "
+                                      "it is not the batch handle #0 was started with")
+    assert outs[0]["wrong_dense"] == ("finish_shuffle: dense: shape (5, 3), expected [batch_size=6, ...]; "
                                       "it is not the batch handle #0 was started with")
     assert [o["retry"] for o in outs] == [6, 6]
     assert [o["still"] for o in outs] == [(True, 0, 0, "none"), (True, 0, 0, "none")]
