@@ -57,6 +57,7 @@ from balancer._layout import (
     wire_layout,
 )
 from balancer._limits import MAX_LENGTH
+from balancer.batch import as_count
 
 __all__ = [
     "NO_PREV", "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",
@@ -130,9 +131,21 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     shape) go into the status here; the values are checked by :func:`message`
     in the background. Reads no tensor value: one concatenation of the
     workloads and every KJT's lengths (and on CUDA a non-blocking copy to
-    pinned memory) is all the device work.
+    pinned memory) is all the device work. A batch that cannot even be read
+    (a field set to ``None`` after construction, a nested tensor) is reported
+    the same way: raising here would leave the peers in a collective this
+    rank never joins.
     """
-    meta = LocalMeta(seq, rank, config)
+    try:
+        return _capture(batch, workload_fn, LocalMeta(seq, rank, config), base_type)
+    except Exception as e:  # reported on every rank, re-raised here as the cause
+        return _fail(LocalMeta(seq, rank, config), Status.BAD_INPUT,
+                     f"the batch could not be read: {type(e).__name__}: {e} (rank {rank})", e)
+
+
+def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMeta,
+             base_type: type[Any] | tuple[type[Any], ...]) -> LocalMeta:
+    rank = meta.rank
     if not isinstance(batch, base_type):
         names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
         return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a {names} (rank {rank})")
@@ -142,7 +155,8 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     b = layout.batch_size
     meta.pad_len = batch.max_len if layout.is_tokens and not batch.packed else 0
     real = batch.actual_batch_size
-    meta.real = int(real) if isinstance(real, int) else -1
+    count = as_count(real)  # a numpy integer set after construction too
+    meta.real = -1 if count is None else count
     if not 0 <= meta.real <= b:
         return _fail(meta, Status.BAD_REAL, f"actual_batch_size={real!r}, expected 0 <= "
                      f"actual_batch_size <= batch_size={b} (rank {rank})")

@@ -67,6 +67,19 @@ def _disagreement_worker(rank: int, w: int) -> dict[str, tuple[str, str, float]]
     if odd:
         wrong.dense = torch.zeros(7, 3)  # replaced after construction
     data_case("dense_dim0", wrong)
+    # Batches that cannot even be read used to raise in start_shuffle_async on
+    # this rank only: its peers waited in phase 1, and the next step mixed.
+    unreadable = make_batch(rank, 8, 8, seed=1)
+    if odd:
+        unreadable.batch_size = None  # type: ignore[assignment]
+    data_case("batch_size_none", unreadable)
+    nested = make_batch(rank, 8, 8, seed=1)
+    if odd:
+        nested.dense = torch.nested.nested_tensor([torch.zeros(3)] * 7 + [torch.zeros(2)])
+    data_case("nested_dense", nested)
+    numpy_real = make_batch(rank, 8, 6, seed=1)
+    numpy_real.actual_batch_size = np.int64(6)  # type: ignore[assignment]  # accepted, as by the constructor
+    data_case("numpy_real", numpy_real)
     data_case("lengths_dtype", _with_lengths(b, torch.int32) if odd else b)
     data_case("weights_one_rank", _with_lengths(b, weights=not odd))
     data_case("after", b)
@@ -91,6 +104,9 @@ def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
     outs = run_workers(_disagreement_worker, w, timeout=120)
     expect = {
         "dense_dim0": "dense: shape (7, 3), expected [batch_size=8, ...] (rank 2)",
+        "batch_size_none": "the batch could not be read: TypeError: int() argument must be a string, a "
+                           "bytes-like object or a real number, not 'NoneType' (rank 2)",
+        "nested_dense": "the batch could not be read: RuntimeError: ",
         "lengths_dtype": "'features.lengths dtype': ranks [0, 1]: 'torch.int64'; rank 2: 'torch.int32'",
         "weights_one_rank": "'features.weights dtype': ranks [0, 1]: 'torch.float32'; rank 2: 'absent'",
         "locality": "'locality': ranks [0, 1]: 'True'; rank 2: 'False'",
@@ -99,7 +115,7 @@ def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
                      "(rank(s) [2] differ from rank 0)",
     }
     for rank, out in enumerate(outs):
-        assert out["warm"][0] == out["after"][0] == "ok", (rank, out)
+        assert out["warm"][0] == out["after"][0] == out["numpy_real"][0] == "ok", (rank, out)
         for name, text in expect.items():
             kind, msg, dt = out[name]
             assert kind == "ValueError" and text in msg, (rank, name, msg)
