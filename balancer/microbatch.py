@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import (
+    bins_bound,
     first_fit_padded,
     max_ends,
     min_segments,
@@ -57,7 +58,8 @@ class MicroBatchPlan:
     """``k`` (the same on every rank that planned together)."""
     local_min: int
     """The fewest micro-batches this rank's samples were packed into under the
-    budget, before ``min_micro_batches``, ``divisible_by`` and the agreement."""
+    budget, at least ``min_micro_batches`` and a multiple of ``divisible_by``;
+    before the agreement across ranks."""
     token_bound: int
     """No cut fits the budget in fewer: ``ceil(tokens / max_tokens)`` (padded:
     the greedy run count, which is exact when every unit is one sample; with
@@ -183,18 +185,39 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
                              f"(max_tokens={cap}{rows}) was found, though the token count alone "
                              f"allows {bound}; pass more micro-batches or a larger budget ({where})")
         return num, bound, {num: cut}
-    k = -(-max(lo, fewest) // div) * div
-    while True:
+    if cap is not None and not padded:
+        fewest = max(fewest, bins_bound(un.tokens, cap))  # no cut fits in fewer: no probe below it
+    # The fewest k that packs: probe the bound, then gallop (div, 2 div, 4 div, ...
+    # above it) to a k that packs and bisect back; a probe is a whole packing
+    # search, so stepping by one from a weak bound took minutes at N = 800.
+    fail, k = 0, -(-max(lo, fewest) // div) * div
+    found: tuple[int, Any] | None = None
+    step = div
+    while found is None:
         if k > u:
-            if not strict:
-                return k, bound, {}
-            raise ValueError(f"needs {k} micro-batches (token budget {cap}, min_micro_batches={lo}, "
-                             f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
-                             f"empty ({where})")
+            top = u // div * div  # the most micro-batches with none empty
+            if top <= fail or top < max(lo, fewest):
+                need = fail + div if fail else k
+                if not strict:
+                    return need, bound, {}
+                raise ValueError(f"needs {need} micro-batches (token budget {cap}, min_micro_batches={lo}, "
+                                 f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
+                                 f"empty ({where})")
+            k = top
         cut = _plan_k(un, k, cap, mbs, padded)
         if cut is not None:
-            return k, bound, {k: cut}
-        k += div
+            found = (k, cut)
+        else:
+            fail, k, step = k, k + step, 2 * step
+    good, cut = found
+    while fail and good - fail > div:  # bisect between the last miss and the first fit
+        mid = fail + (good - fail) // div // 2 * div
+        c = _plan_k(un, mid, cap, mbs, padded)
+        if c is not None:
+            good, cut = mid, c
+        else:
+            fail = mid
+    return good, bound, {good: cut}
 
 
 def _agree(k: int, fingerprint: int, failed: bool, units: int, pg: ProcessGroup | None
@@ -311,8 +334,10 @@ def plan_micro_batches(
     """Cut this rank's samples into micro-batches for gradient accumulation.
 
     ``k`` is ``num_micro_batches`` when given; otherwise the fewest
-    micro-batches under ``max_tokens`` (the fewest our packing finds, which is
-    ``token_bound`` or rarely one more), at least ``min_micro_batches``,
+    micro-batches under ``max_tokens`` (the fewest our packing finds: often
+    ``token_bound``, more when few samples fit together; the search starts at
+    a bin-packing lower bound, gallops up to a count that packs and bisects
+    back), at least ``min_micro_batches``,
     rounded up to a multiple of ``divisible_by`` (Megatron's interleaved
     schedule needs multiples of ``microbatch_group_size_per_vp_stage``). With
     ``sync`` and an initialised process group of more than one rank, the

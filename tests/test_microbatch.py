@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from balancer import TransformerCost
+from balancer import TransformerCost, microbatch
+from balancer._microbatch_pack import bins_bound
 from balancer.microbatch import MicroBatchPlan, plan_micro_batches
 from balancer.testing import run_workers
 from tests.llm_reference import verl_micro_batches
@@ -96,6 +97,46 @@ def test_small_cases_against_brute_force() -> None:
         assert plan.objective >= best * (1 - 1e-12)
         exact_cost += plan.objective <= best * (1 + 1e-9)
     assert exact_k >= 0.95 * cases and exact_cost >= 0.8 * cases, (exact_k, exact_cost)
+
+
+def test_bins_bound_never_exceeds_the_fewest_and_sees_counts() -> None:
+    rng = np.random.default_rng(1)
+    tight = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 8))
+        lens = rng.integers(1, 30, n)
+        cap = int(lens.max() + rng.integers(0, 30))
+        k_opt = _brute_min_k(lens, cap)
+        got = bins_bound(lens, cap)
+        assert -(-int(lens.sum()) // cap) <= got <= k_opt, (lens.tolist(), cap, got, k_opt)
+        tight += got == k_opt
+    assert tight >= 270, tight  # the token count alone is tight far less often
+    # Two a part however the tokens add up; L2: three units above half a part.
+    assert bins_bound(np.full(400, 4096), 3 * 4096 - 1) == 200
+    assert bins_bound(np.array([60, 60, 60, 30, 30, 30]), 100) == 3
+
+
+def test_the_fewest_count_is_searched_in_few_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # k far above the token bound: the search used to probe every k from the
+    # bound up (N = 800: 133 packings, 85 s); a probe is a whole packing.
+    probes = []
+    real = microbatch._plan_k
+
+    def counted(un, k, *args):  # noqa: ANN001, ANN202
+        probes.append(k)
+        return real(un, k, *args)
+
+    monkeypatch.setattr(microbatch, "_plan_k", counted)
+    plan = plan_micro_batches([4096] * 400, max_tokens=3 * 4096 - 1)
+    assert (plan.num_micro_batches, plan.token_bound) == (200, 134) and probes == [200]
+    # Two 45s or three 30s a part (a 45 and a 30 waste a quarter): 50 parts, where
+    # every bound says 45. Gallop from the bound to a fit, then bisect back.
+    probes.clear()
+    lens = [45] * 60 + [30] * 60
+    plan = plan_micro_batches(lens, max_tokens=100)
+    _check(plan, np.array(lens), 100)
+    assert plan.num_micro_batches == 50 and probes[0] == 45 and 49 in probes, probes  # 49 does not fit
+    assert len(probes) <= 2 * int(np.log2(50)) + 2, probes
 
 
 @pytest.mark.parametrize("dist", ["zipf", "lognormal"])
