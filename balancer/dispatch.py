@@ -29,6 +29,7 @@ import numpy as np
 from balancer._limits import DISPATCH_TOTAL
 from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
 from balancer._microbatch_pack import (
+    bins_bound,
     first_fit_padded,
     kk_labels,
     max_ends,
@@ -148,6 +149,41 @@ def _padded_before(un: Units, parts: list[np.ndarray], k: int) -> tuple[np.ndarr
     return np.array(loads), np.array(ptok, np.int64)
 
 
+def _deal_micro_batches(un: Units, x: np.ndarray, w: int, cap: int | None, num: int | None, lo: int,
+                        div: int) -> tuple[int, list[np.ndarray], list[Any]] | None:
+    """Unequal shares when splitting by cost first leaves a rank too few units
+    for the micro-batches another needs: pack the whole batch into ``w k``
+    micro-batches under the budget (the fewest ``k`` that packs), then deal
+    them ``k`` a rank, balancing their costs. ``None`` if no ``k`` packs.
+
+    E.g. lengths ``[7, 4, 7, 5, 10]`` on 2 ranks under 10 tokens, cost
+    ``L^2``: by cost the 10 goes alone and the rest needs 3 micro-batches,
+    which one sample cannot fill; dealt, 2 micro-batches a rank.
+    """
+    u = un.tokens.size
+    if num is not None:
+        k = num
+    else:
+        k = max(lo, -(-bins_bound(un.tokens, cap) // w) if cap is not None else 1)
+        k = -(-k // div) * div
+    while w * k <= u:
+        cut = _plan_k(un, w * k, cap, None, False)
+        if cut is not None:
+            mb_cost = np.bincount(cut, weights=x.astype(np.float64), minlength=w * k)
+            parts, cuts = [], []
+            for bins in balanced_partition(mb_cost, w):
+                local = np.full(w * k, -1, np.int64)
+                local[np.asarray(bins, np.int64)] = np.arange(k)
+                idx = np.flatnonzero(local[cut] >= 0)
+                parts.append(idx)
+                cuts.append(local[cut[idx]])
+            return k, parts, cuts
+        if num is not None:
+            return None
+        k += div
+    return None
+
+
 def plan_dispatch(
     lengths: Any,
     world_size: int,
@@ -178,7 +214,10 @@ def plan_dispatch(
         cost: per-sample cost, as for
             :func:`~balancer.microbatch.plan_micro_batches` (default: tokens).
         equal_count: every rank gets the same number of units (samples or
-            groups; N must be divisible by W); ``False``: any number >= 1.
+            groups; N must be divisible by W); ``False``: any number >= 1
+            (with micro-batches: the split by cost, or, when that leaves a
+            rank too few units for the micro-batches another needs, the
+            whole batch packed into ``W k`` micro-batches dealt ``k`` a rank).
             With ``padded`` every rank gets the same number of micro-batches
             instead (of any size, so N need not be divisible by W).
         max_tokens, num_micro_batches, min_micro_batches, divisible_by,
@@ -260,11 +299,21 @@ def plan_dispatch(
         if k <= fewest:
             break
         if not order_free or w * k > u:
-            raise ValueError(f"{k} micro-batches per rank but a rank has only {fewest} {kind} "
-                             f"({u} {kind} for {w} ranks) ({where})")
+            dealt = _deal_micro_batches(un, x, w, max_tokens, num_micro_batches, min_micro_batches,
+                                        divisible_by) if order_free else None
+            if dealt is None:
+                raise ValueError(f"{k} micro-batches per rank but a rank has only {fewest} {kind} "
+                                 f"({u} {kind} for {w} ranks) ({where})")
+            k, parts, cuts = dealt
+            min_size = k
+            break
         min_size = k
     else:
-        raise ValueError(f"no split gives every rank {k} {kind} ({where})")
+        dealt = _deal_micro_batches(un, x, w, max_tokens, num_micro_batches, min_micro_batches, divisible_by)
+        if dealt is None:
+            raise ValueError(f"no split gives every rank {k} {kind} ({where})")
+        k, parts, cuts = dealt
+        min_size = k
     loads = np.array([float(un.cost[p].sum()) for p in parts])
     bound = (bound_sorted(np.sort(x), w, equal_size=False, min_size=min_size) if order_free else lower_bound(x, w))
     bound = float(bound) * float(un.cost.sum()) / max(float(x.sum()), 1e-300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import numpy as np
@@ -103,6 +104,44 @@ def test_token_budget_mode_gives_small_shares_enough_samples_for_k() -> None:
     plan = plan_dispatch(lens, 4, equal_count=False, max_tokens=4096, num_micro_batches=4)
     _check(plan, lens, 4, equal=False, cap=4096)
     assert min(len(r) for r in plan.ranks) >= 4
+
+
+def _min_dealt_k(lens: np.ndarray, w: int, cap: int) -> int | None:
+    """Brute force: the fewest k such that the samples fill ``w * k`` non-empty micro-batches under ``cap``
+    (then any k of them make a rank's share), or None."""
+    n = lens.size
+    for k in range(1, n // w + 1):
+        labels = np.array(list(itertools.product(range(w * k), repeat=n)))
+        onehot = np.stack([labels == j for j in range(w * k)], axis=2)  # [P, n, wk]
+        sums = np.einsum("pnj,n->pj", onehot, lens)
+        if ((sums <= cap) & onehot.any(axis=1)).all(axis=1).any():
+            return k
+    return None
+
+
+def test_unequal_shares_plan_whenever_micro_batches_can_be_dealt() -> None:
+    # Splitting by cost first put the 10 alone and the rest needed 3 micro-batches,
+    # which one sample cannot fill: ValueError, though 2 a rank fit ([10], [4, 5] | [7], [7]).
+    quad = lambda x: np.asarray(x) ** 2  # noqa: E731
+    lens = np.array([7, 4, 7, 5, 10])
+    plan = plan_dispatch(lens, 2, equal_count=False, max_tokens=10, cost=quad)
+    _check(plan, lens, 2, equal=False, cap=10)
+    assert plan.num_micro_batches == 2 and max(plan.loads) == 141  # the best split with 2 a rank
+    rng = np.random.default_rng(5)
+    for _ in range(150):
+        n, w = int(rng.integers(2, 7)), int(rng.integers(2, 4))
+        if n < w:
+            continue
+        lens = rng.integers(1, 12, n)
+        cap = int(lens.max() + rng.integers(0, 8))
+        best = _min_dealt_k(lens, w, cap)
+        if best is None:
+            with pytest.raises(ValueError):
+                plan_dispatch(lens, w, equal_count=False, max_tokens=cap, cost=quad)
+            continue
+        plan = plan_dispatch(lens, w, equal_count=False, max_tokens=cap, cost=quad)
+        _check(plan, lens, w, equal=False, cap=cap)
+        assert plan.num_micro_batches >= best
 
 
 def test_padded_beats_torchspec_round_robin_and_greedy() -> None:
