@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from balancer._limits import LENGTHS_TOTAL
+from balancer._limits import DISPATCH_TOTAL, LENGTHS_TOTAL
 
 __all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", "row_cost"]
 
@@ -92,6 +92,10 @@ def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
             raise ValueError(f"cost of sample {i} is {out[i]}, expected a finite value >= 0 ({where})")
     elif out.size and out.min() < 0:
         raise ValueError(f"cost of sample {int(np.argmin(out))} is negative ({where})")
+    elif float(out.sum(dtype=np.float64)) >= DISPATCH_TOTAL:
+        # Integer costs this large would wrap when summed per group or per part
+        # (and overflow the packers' int64 heaps): plan them as float64.
+        out = out.astype(np.float64)
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from balancer.dispatch import DispatchPlan, plan_dispatch
+from balancer.microbatch import plan_micro_batches
 from balancer.partition import lower_bound
 from tests.llm_reference import (
     greedy_longest_first,
@@ -257,6 +258,14 @@ def test_integer_costs_of_any_size() -> None:
             plan = plan_dispatch([1, 2, 3, 4], 2, cost=np.array([big] * 4), equal_count=equal)
             assert sorted(i for r in plan.ranks for i in r) == [0, 1, 2, 3]
             assert [len(r) for r in plan.ranks] == [2, 2]
+            # With micro-batches the packers got them unscaled: OverflowError (2**61 under a budget).
+            plan = plan_dispatch([1, 2, 3, 4], 2, cost=np.array([big] * 4), equal_count=equal, max_tokens=10)
+            _check(plan, np.array([1, 2, 3, 4]), 2, equal=equal, cap=10)
+            assert plan.loads.tolist() == [2.0 * big, 2.0 * big]
+        for kw in ({"max_tokens": 5}, {"num_micro_batches": 2}, {"max_tokens": 5, "groups": [0, 1, 1, 2]}):
+            mb = plan_micro_batches([1, 2, 3, 4], cost=np.array([big] * 4), **kw)
+            assert sorted(i for m in mb.micro_batches for i in m) == [0, 1, 2, 3]
+            assert mb.costs.sum() == 4.0 * big
 
 
 def test_padded_groups_are_not_only_length_runs() -> None:

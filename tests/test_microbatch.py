@@ -285,12 +285,20 @@ def _worker_agree(rank: int, world_size: int) -> dict:
         "too_few": {"lengths": [[5] * 2, [5] * 8][rank], "max_tokens": 10},
         "fixed_vs_free": {"lengths": [5] * 4, "max_tokens": 10, "num_micro_batches": [2, None][rank]},
     }
+
+    def cost(lens: np.ndarray) -> np.ndarray:  # a user's cost function failing on one rank
+        if rank == 1:
+            raise TypeError("unsupported operand")
+        return lens * 2
+
+    # Only ValueError went through the agreement: rank 1 raised alone and rank 0 hung.
+    cases["cost_raises"] = {"lengths": [5] * 4, "max_tokens": 10, "cost": cost}
     for name, kw in cases.items():
         try:
             plan_micro_batches(kw.pop("lengths"), **kw)
             out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
+        except (ValueError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}" if name == "cost_raises" else str(e)
     local = plan_micro_batches(lens, max_tokens=300, sync=False)
     out["local"] = local.num_micro_batches
     return out
@@ -312,6 +320,9 @@ def test_same_count_on_every_rank_and_errors_everywhere() -> None:
         assert msg == (f"the ranks need 4 micro-batches but one has only 2 samples or groups: "
                        f"a micro-batch would be empty (rank {r})")
     assert (r0["local"], r1["local"]) == (2, 4)
+    assert r1["cost_raises"] == "TypeError: unsupported operand"
+    assert r0["cost_raises"] == ("ValueError: plan_micro_batches failed on rank 1 (see its error); "
+                                 "nothing was planned (rank 0)")
 
 
 # ------------------------------------------------------------ against brute force
