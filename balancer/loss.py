@@ -31,7 +31,11 @@ Either way the loss, and every gradient, depends only on the *set* of samples
 in the global batch, not on their placement (up to float32 summation order).
 
 Padding samples (``index >= actual_batch_size``) are excluded by slicing, so a
-NaN in a padding row cannot leak into the loss or the gradient.
+NaN in a padding row cannot leak into the loss. It can still reach the
+gradient: the padding rows get a zero gradient, and backward multiplies it by
+the local derivative of the op that made the NaN (``0 * nan`` and ``0 * inf``
+are NaN). Keep padding inputs finite -- ``pad_batch`` and the shuffler write
+zeros -- or mask them before such ops.
 
 Tracing. TorchRec's pipeline fx-traces the model's forward; these functions run
 a collective, so they are registered with :func:`torch.fx.wrap` here. fx patches
@@ -105,8 +109,8 @@ def global_weighted_mean_loss(
     """``W * sum(w * l) / all_reduce(sum(w))`` (``"mean"``), see the module doc.
 
     Use for per-token losses (``weights`` = 1 for real tokens, 0 for masked
-    ones) or weighted samples. Items with weight 0 contribute nothing, even if
-    their loss is NaN or inf.
+    ones) or weighted samples. Items with weight 0 contribute nothing to the
+    loss, even if their loss is NaN or inf (the gradient: see the module doc).
 
     Args:
         losses: ``[N]`` per-item losses on this rank (floating point).

@@ -226,7 +226,8 @@ class Calibration:
 
     ``a, b, c`` are in cost units (time units times ``scale``); ``rmse`` is the
     root-mean-square (absolute) residual in time units; ``r2`` the coefficient of
-    determination (1.0 when all times are equal and fitted exactly).
+    determination (1.0 when all times are equal and fitted exactly, 0.0 when
+    they are equal and not).
     """
 
     a: float
@@ -312,7 +313,10 @@ def fit_polynomial(
     full = np.concatenate([np.zeros(3 - k), best])
     abs_res = float(np.sum((x @ best - ty) ** 2))
     ss_tot = float(np.sum((ty - ty.mean()) ** 2))
-    r2 = 1.0 - abs_res / ss_tot if ss_tot > 0 else 1.0
+    # Equal times leave rounding in both sums (~1e-36 for 7e-3 s): below this
+    # they are zero, or R^2 of an exact fit came out as 0 or -3.
+    noise = ty.size * (1e-12 * float(np.abs(ty).max(initial=0.0))) ** 2
+    r2 = 1.0 - abs_res / ss_tot if ss_tot > noise else float(abs_res <= noise)
     a, b, c = (float(v) * scale for v in full)
     return Calibration(a=a, b=b, c=c, rmse=math.sqrt(abs_res / ty.size), r2=r2, scale=scale)
 

@@ -354,3 +354,15 @@ def test_cuda_on_device_without_host_sync() -> None:
     for c, out in zip(costs, outs, strict=True):
         assert out.device.type == "cuda" and out.dtype == torch.int64
         assert torch.equal(out.cpu(), c(cpu))
+
+
+def test_fit_of_equal_times_reports_an_exact_fit() -> None:
+    # Rounding in the mean left both sums near 1e-36, and R^2 of an exact fit came
+    # out as 0.0 (7e-3 s) or -3 (other values): a spurious "fits poorly" warning.
+    lengths = np.array([1.0, 2.0, 3.0, 4.0, 50.0])
+    for t in (0.1, 0.3, 7e-3, 1.7, 2.3e-5):
+        for relative in (False, True):
+            cal = fit_polynomial(lengths, np.full(5, t), relative=relative)
+            assert cal.r2 == 1.0, (t, relative, cal)
+            assert cal.c == pytest.approx(t * cal.scale, rel=1e-12)
+            assert cal.a * 50**2 + cal.b * 50 <= 1e-9 * cal.c  # the constant carries it
