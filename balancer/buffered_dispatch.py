@@ -117,6 +117,8 @@ class BufferedDispatcher:
         self._size = world_size * samples_per_rank
         self._cost, self._fn, self._padded, self._mbs = cost, fn, padded, micro_batch_size
         self._kwargs = dispatch_kwargs
+        self._cap = dispatch_kwargs.get("max_tokens")
+        check_positive("max_tokens", self._cap, "BufferedDispatcher", allow_none=True)
         self._ids = np.zeros(0, np.int64)
         self._lens = np.zeros(0, np.int64)
         self._seq = np.zeros(0, np.int64)  # arrival number q of each buffered sample
@@ -130,7 +132,12 @@ class BufferedDispatcher:
         return int(self._ids.size)
 
     def put(self, lengths: Any, ids: Any = None) -> None:
-        """Add samples (their lengths; ids default to a running counter)."""
+        """Add samples (their lengths; ids default to a running counter).
+
+        Raises:
+            ValueError: bad lengths or ids, or a sample longer than
+                ``max_tokens`` (named by its id); nothing is buffered then.
+        """
         lens = as_lengths(lengths, "BufferedDispatcher.put")
         if ids is None:
             new = np.arange(self._next_id, self._next_id + lens.size, dtype=np.int64)
@@ -147,6 +154,12 @@ class BufferedDispatcher:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
             if np.intersect1d(new, self._ids).size or np.unique(new).size != new.size:
                 raise ValueError("ids must be unique among buffered samples")
+        if self._cap is not None and lens.size and int(lens.max()) > self._cap:
+            # Buffered, it would fail every later round (the buffer is kept on an error).
+            i = int(np.argmax(lens))
+            raise ValueError(f"sample id {int(new[i])} has {int(lens[i])} tokens, more than max_tokens={self._cap}: "
+                             "no micro-batch can hold it; nothing of this put() was buffered "
+                             "(BufferedDispatcher.put)")
         self._next_id = max(self._next_id, int(new.max()) + 1 if new.size else 0)
         self._ids = np.concatenate([self._ids, new])
         self._lens = np.concatenate([self._lens, lens])

@@ -97,6 +97,19 @@ def test_errors() -> None:
     disp.put([3, 4, 5], ids=[1, 2, 3])
     with pytest.raises(ValueError, match=r"ids\[0\] = 1.5, expected an integer"):
         disp.put([1], ids=[1.5])  # once truncated to 1, silently
+    with pytest.raises(ValueError, match=r"max_tokens=0, expected an int >= 1 \(BufferedDispatcher\)"):
+        BufferedDispatcher(2, 2, max_tokens=0)
+    # A sample over the budget was buffered, then failed every round as "sample 3"
+    # of the round's subset, and stayed: no round could go out again.
+    capped = BufferedDispatcher(2, 2, window=1, max_tokens=10)
+    capped.put([4, 5], ids=[70, 71])
+    with pytest.raises(ValueError, match=r"sample id 82 has 12 tokens, more than max_tokens=10: .*nothing of "
+                                         r"this put\(\) was buffered"):
+        capped.put([3, 12, 2], ids=[81, 82, 83])
+    assert capped.pending == 2
+    capped.put([3, 2], ids=[81, 83])
+    rnd = capped.next()
+    assert sorted(rnd.ids.tolist()) == [70, 71, 81, 83] and capped.pending == 0
 
 
 @pytest.mark.parametrize("padded", [False, True])
