@@ -352,13 +352,15 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
         A batch of ``batch_size`` samples with the same real samples.
 
     Raises:
-        ValueError: if ``batch_size < batch.batch_size``.
+        ValueError: if ``batch_size`` is not an int ``>= batch.batch_size``.
     """
-    if batch_size < batch.batch_size:
+    size = as_count(batch_size)  # numpy ints too; not floats, strings or bools
+    if size is None or size < batch.batch_size:
         raise ValueError(
-            f"pad_batch: batch_size={batch_size}, expected >= the batch's "
+            f"pad_batch: batch_size={batch_size!r}, expected an int >= the batch's "
             f"batch_size={batch.batch_size}"
         )
+    batch_size = size
     if batch_size == batch.batch_size:
         return batch
     return batch.map_tensors(

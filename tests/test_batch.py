@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -229,8 +230,13 @@ def test_pad_batch_appends_zero_padding() -> None:
     assert pad_batch(padded, 5) is padded
     twice = pad_batch(padded, 7)
     assert (twice.batch_size, twice.actual_batch_size) == (7, 3)
-    with pytest.raises(ValueError, match=r"pad_batch: batch_size=2, expected >= the batch's batch_size=3"):
+    with pytest.raises(ValueError, match=r"pad_batch: batch_size=2, expected an int >= the batch's batch_size=3"):
         pad_batch(batch, 2)
+    # A float or a string failed deep inside torch or a comparison (TypeError).
+    for bad in (5.0, "4", True):
+        with pytest.raises(ValueError, match=rf"pad_batch: batch_size={bad!r}, expected an int >= the batch's"):
+            pad_batch(batch, bad)  # type: ignore[arg-type]
+    assert pad_batch(batch, np.int64(4)).batch_size == 4
 
 
 def test_to_pin_record_stream_on_cpu() -> None:
