@@ -365,6 +365,10 @@ class BatchShuffler(ShufflerBase):
             if mismatch:
                 raise ValueError(f"finish_shuffle: {mismatch}; it is not the batch handle #{handle.seq} "
                                  "was started with")
+            if w == 1 and self.capacity is not None and self.capacity < getattr(batch, "batch_size", 0):
+                # (with peers the background job raises this on every rank)
+                raise ValueError(f"BatchShuffler: capacity={self.capacity}, expected >= batch_size="
+                                 f"{batch.batch_size} (every rank's real samples must fit)")
             # Rank-local checks passed: only now is the handle used up, so a
             # caller that passed the wrong batch can retry with the right one.
             self._claim(handle)

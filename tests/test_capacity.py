@@ -81,6 +81,14 @@ def test_capacity_settings_are_checked() -> None:
         from tests.reference import greedy
 
         BatchShuffler(token_count, capacity=9, partition=greedy)
+    # One process said "pad: batch_size=4, expected an int >= the batch's 6", from
+    # inside TokenBatch.pad; with peers the shuffle names capacity.
+    small = BatchShuffler(lambda b: b.seq_lens + 1, capacity=4)
+    batch = token_batch(0, 6, 6, seed=1, packed=False)
+    handle = small.start_shuffle_async(batch)
+    with pytest.raises(ValueError, match=r"capacity=4, expected >= batch_size=6 \(every rank's real samples"):
+        small.finish_shuffle(batch, handle)
+    small.close()
 
 
 # ---------------------------------------------------------------- loss exactness
