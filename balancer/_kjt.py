@@ -59,9 +59,11 @@ def _rebuild(
     values: torch.Tensor,
     lengths: torch.Tensor,
     weights: torch.Tensor | None,
+    stride: int,
 ) -> KeyedJaggedTensor:
+    # The stride given: a KJT without keys has no lengths to infer it from.
     return KeyedJaggedTensor(
-        keys=kjt.keys(), values=values, weights=weights, lengths=lengths.to(kjt.lengths().dtype)
+        keys=kjt.keys(), values=values, weights=weights, lengths=lengths.to(kjt.lengths().dtype), stride=stride
     )
 
 
@@ -96,7 +98,7 @@ def kjt_index_select_reference(
     values = kjt.values()[gather]
     w = kjt.weights_or_none()
     weights = w[gather] if w is not None else None
-    return _rebuild(kjt, values, sel_len, weights)
+    return _rebuild(kjt, values, sel_len, weights, indices.numel())
 
 
 # The CPU kernel copies values of these dtypes and weights of float32/float64
@@ -115,7 +117,8 @@ def _select_cpu(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTen
     sel_lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
         seg, kjt.lengths(), v.view(v_as), None if w is None else w.view(w_as)
     )
-    return _rebuild(kjt, values.view(v.dtype), sel_lengths, None if w is None else weights.view(w.dtype))
+    return _rebuild(kjt, values.view(v.dtype), sel_lengths, None if w is None else weights.view(w.dtype),
+                    indices.numel())
 
 
 def _select_cuda(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTensor:
@@ -128,7 +131,7 @@ def _select_cuda(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTe
         kjt.weights_or_none(),
     )
     weights = out[2] if len(out) > 2 else None
-    return _rebuild(kjt, out[0], out[1], weights)
+    return _rebuild(kjt, out[0], out[1], weights, indices.numel())
 
 
 def kjt_index_select(kjt: KeyedJaggedTensor, indices: torch.Tensor) -> KeyedJaggedTensor:

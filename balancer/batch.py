@@ -327,7 +327,8 @@ def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
     out[:, :n] = lengths.view(k, n)
     # Padding samples have zero length, so values and weights are unchanged.
     return KeyedJaggedTensor(
-        keys=kjt.keys(), values=kjt.values(), weights=kjt.weights_or_none(), lengths=out.view(-1)
+        keys=kjt.keys(), values=kjt.values(), weights=kjt.weights_or_none(), lengths=out.view(-1),
+        stride=batch_size,  # a KJT without keys has no lengths to infer it from
     )
 
 

@@ -277,3 +277,15 @@ def test_to_takes_torchrec_data_copy_stream() -> None:
     copied = batch.to(cpu, non_blocking=False, data_copy_stream=torch.cpu.Stream())
     assert torch.equal(copied.dense, batch.dense) and as_lists(copied.features) == as_lists(batch.features)
     assert copied.actual_batch_size == batch.actual_batch_size
+
+
+def test_a_kjt_without_keys_keeps_its_stride() -> None:
+    # KeyedJaggedTensor infers the stride from the lengths; with no key there are
+    # none, so padding and selection gave stride 0 next to batch_size 5.
+    empty = KeyedJaggedTensor(keys=[], values=torch.zeros(0, dtype=torch.int64),
+                              lengths=torch.zeros(0, dtype=torch.int64), stride=3)
+    batch = BaseBatch(features=empty, batch_size=3, feature_to_max_seqlen={}, actual_batch_size=2)
+    assert pad_batch(batch, 5).features.stride() == 5
+    idx = torch.tensor([2, 0, 0, 1])
+    for select in (kjt_index_select_reference, _select_cpu):
+        assert select(empty, idx).stride() == 4
