@@ -167,6 +167,9 @@ _LABEL_SORT_MAX_PARTS = 256
 def _ascending_rows(order: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``np.sort(order[rows], axis=1)``: the original indices of each part, ascending."""
     w, b = rows.shape
+    if b == 2:  # two a part: no sort at all
+        pair = order[rows]
+        return np.stack([pair.min(axis=1), pair.max(axis=1)], axis=1)
     if w > _LABEL_SORT_MAX_PARTS:
         return np.sort(order[rows], axis=1)
     part = np.empty(w * b, np.uint8)
