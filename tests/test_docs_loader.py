@@ -14,7 +14,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "loader.md"
 def test_loader_doc_snippets_run(capsys) -> None:  # noqa: ANN001
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     runnable = [b for b in blocks if "import lightning" not in b]
-    assert len(runnable) == 2 and len(blocks) == 3
+    assert len(runnable) == 3 and len(blocks) == 4
     namespace: dict = {}
     for i, code in enumerate(runnable):
         exec(compile(code, f"{DOC.name}[block {i}]", "exec"), namespace)  # noqa: S102
@@ -22,4 +22,5 @@ def test_loader_doc_snippets_run(capsys) -> None:  # noqa: ANN001
     assert [line.split()[0] for line in out] == ["0", "1"]
     assert namespace["state"] == {"epoch": 1, "consumed": 1}
     assert [b.actual_batch_size for b in namespace["rest"]] == [4, 3]  # the rest of epoch 1
+    assert namespace["sizes"] == [(4, 4, 7), (4, 4, 7), (4, 3, 7)]  # TokenBatch: the last one padded
     assert not [t for t in threading.enumerate() if t.name.startswith("balancer-loader")]
