@@ -22,7 +22,8 @@ header line with hardware, versions and load) to ``--json-out``:
    2c. under load (``--only load``): ``partition_rows`` at N = 262,144, wall
    and CPU time with the machine quiet and next to ``--load-procs`` busy
    processes, taking turns;
-3. time against N (W x 32) and against W at N = 131,072 (``--plot`` draws it);
+3. time against N (W x 32) and against W at N = 131,072, 2x65536 to 65536x2
+   (``--plot`` draws it);
 4. the thread experiment: the partition runs in a 1-worker ThreadPoolExecutor
    (or the ``PartitionWorker`` child) while the main thread does a fixed
    amount of Python-bound or torch-op-bound work per step; main-thread
@@ -661,7 +662,7 @@ def scaling_curves(before: Any, emit: Callable[[dict[str, Any]], None], plot: st
     print("| curve | W x B | N | before | after (lists) | after (array) |")
     print("|---|---|---|---|---|---|")
     curves = {"N": [(w, 32) for w in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)],
-              "W": [(w, 131072 // w) for w in (16, 64, 256, 1024, 4096, 8192)]}
+              "W": [(w, 131072 // w) for w in (2, 16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536)]}
     pts: dict[str, list[tuple[int, int, dict[str, float]]]] = {k: [] for k in curves}
     for curve, shapes in curves.items():
         for w, b in shapes:
