@@ -353,8 +353,14 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
         A batch of ``batch_size`` samples with the same real samples.
 
     Raises:
-        ValueError: if ``batch_size`` is not an int ``>= batch.batch_size``.
+        ValueError: if ``batch_size`` is not an int ``>= batch.batch_size``, or
+            a field does not hold ``batch.batch_size`` samples (one replaced
+            after construction: padding it would turn real samples into padding).
     """
+    try:
+        batch.validate(contents=False)  # shapes only: no device sync
+    except ValueError as e:
+        raise ValueError(f"pad_batch: {e}") from None
     size = as_count(batch_size)  # numpy ints too; not floats, strings or bools
     if size is None or size < batch.batch_size:
         raise ValueError(

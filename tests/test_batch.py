@@ -289,3 +289,21 @@ def test_a_kjt_without_keys_keeps_its_stride() -> None:
     idx = torch.tensor([2, 0, 0, 1])
     for select in (kjt_index_select_reference, _select_cpu):
         assert select(empty, idx).stride() == 4
+
+
+def test_pad_batch_rejects_a_field_shorter_than_the_batch() -> None:
+    # A field replaced after construction (b.dense = b.dense[:2]) was zero-filled up
+    # to the new size: a real sample's row silently became padding.
+    g = torch.Generator().manual_seed(8)
+    batch = make_batch(g, b=3)
+    short = make_batch(g, b=3)
+    short.dense = short.dense[:2]
+    with pytest.raises(ValueError, match=r"pad_batch: dense: shape \(2, 2, 3\), expected \[batch_size=3, \.\.\.\]"):
+        pad_batch(short, 4)
+    with pytest.raises(ValueError, match=r"pad_batch: dense: shape \(2, 2, 3\)"):
+        pad_batch(short, 3)  # even when no padding is added, the batch is not passed on
+    fewer = make_batch(g, b=3)
+    fewer.features = random_kjt(g, list(batch.features.keys()), 2)
+    with pytest.raises(ValueError, match=r"pad_batch: features: len\(lengths\)=\d+, expected batch_size \* num_keys"):
+        pad_batch(fewer, 5)
+    assert pad_batch(batch, 4).batch_size == 4
