@@ -271,6 +271,24 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
     return out
 
 
+def scalar_problems(batch: Any) -> list[str]:
+    """The batch's plain fields that a layout is built from, checked first
+    (they may have been set after construction): ``batch_size`` a Python int
+    >= 1 (the batch is rebuilt with it after phase 2), and for a
+    ``TokenBatch`` ``pad_multiple`` an int >= 1 and at least one token field."""
+    out = []
+    b = getattr(batch, "batch_size", None)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        out.append(f"batch_size={b!r} ({type(b).__name__}), expected an int >= 1")
+    if isinstance(batch, TokenBatch):
+        m = batch.pad_multiple
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            out.append(f"pad_multiple={m!r}, expected an int >= 1")
+        if not batch.tokens:
+            out.append("tokens is empty, expected at least one per-token tensor")
+    return out
+
+
 def section_name(s: Section) -> str:
     """How a section is named in errors: ``tokens['ids']``, ``feats.values``, ``dense``."""
     if s.part in ("tokens", "samples"):

@@ -52,6 +52,7 @@ from balancer._layout import (
     WireLayout,
     layout_problems,
     lengths_tensors,
+    scalar_problems,
     section_name,
     section_tensor,
     wire_layout,
@@ -149,6 +150,9 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
     if not isinstance(batch, base_type):
         names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
         return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a {names} (rank {rank})")
+    problems = scalar_problems(batch)
+    if problems:
+        return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")
     layout = wire_layout(batch)
     meta.layout = layout
     meta.batch_size, meta.num_lengths, meta.layout_fp = layout.batch_size, layout.num_lengths, layout.fingerprint

@@ -104,8 +104,7 @@ def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
     outs = run_workers(_disagreement_worker, w, timeout=120)
     expect = {
         "dense_dim0": "dense: shape (7, 3), expected [batch_size=8, ...] (rank 2)",
-        "batch_size_none": "the batch could not be read: TypeError: int() argument must be a string, a "
-                           "bytes-like object or a real number, not 'NoneType' (rank 2)",
+        "batch_size_none": "batch_size=None (NoneType), expected an int >= 1 (rank 2)",
         "nested_dense": "the batch could not be read: RuntimeError: ",
         "lengths_dtype": "'features.lengths dtype': ranks [0, 1]: 'torch.int64'; rank 2: 'torch.int32'",
         "weights_one_rank": "'features.weights dtype': ranks [0, 1]: 'torch.float32'; rank 2: 'absent'",

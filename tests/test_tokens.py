@@ -263,3 +263,41 @@ def test_the_cuda_tiers_token_worker_on_cpu() -> None:
     from tests.test_cuda import _token_cuda_worker, check_conserved
 
     check_conserved(run_workers(_token_cuda_worker, 2, "cpu", timeout=300))
+
+
+def _replaced_fields_worker(rank: int, w: int) -> dict[str, Any]:
+    """Rank 1 (every rank for pad_multiple, which ranks compare) changes one field of its
+    batch after construction; every rank reports what it raised."""
+    cost = lambda b: b.seq_lens.double()  # noqa: E731
+    changes: dict[str, Any] = {"pad_multiple": 0, "batch_size": np.int64(6), "tokens": {}}
+    out: dict[str, Any] = {}
+    s = BatchShuffler(cost)
+    for name, value in changes.items():
+        batch = token_batch(rank, 6, 6, seed=3, packed=name == "tokens", pad_multiple=4)
+        if rank == 1 or name == "pad_multiple":
+            setattr(batch, name, value)
+        try:
+            s.shuffle(batch)
+            out[name] = ("ok", "")
+        except Exception as e:  # noqa: BLE001 - the kind is part of the result
+            out[name] = (type(e).__name__, str(e))
+    good = s.shuffle(token_batch(rank, 6, 6, seed=4, packed=False, pad_multiple=4))
+    out["after"] = good.max_len % 4
+    s.close()
+    return out
+
+
+def test_fields_replaced_after_construction_fail_on_every_rank() -> None:
+    # pad_multiple=0 raised ZeroDivisionError on every rank after phase 1; a
+    # numpy batch_size raised on its own rank only (rebuilding the batch), and
+    # an empty packed tokens dict raised StopIteration.
+    outs = run_workers(_replaced_fields_worker, 3, timeout=120)
+    expect = {"pad_multiple": "pad_multiple=0, expected an int >= 1 (rank 0)",
+              "batch_size": "batch_size=np.int64(6) (int64), expected an int >= 1 (rank 1)",
+              "tokens": "tokens is empty, expected at least one per-token tensor (rank 1)"}
+    for o in outs:
+        assert o["after"] == 0
+        for name, text in expect.items():
+            kind, msg = o[name]
+            assert kind == "ValueError" and text in msg, (name, kind, msg)
+            assert msg == outs[0][name][1]
