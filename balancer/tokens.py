@@ -141,8 +141,10 @@ class TokenBatch:
     def pad(self, batch_size: int) -> TokenBatch:
         """This batch with padding samples appended up to ``batch_size`` (zero
         ``seq_lens`` and rows; a packed batch's tokens are unchanged)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < self.batch_size:
+        size = as_count(batch_size)  # numpy ints too; not floats, strings or bools
+        if size is None or size < self.batch_size:
             raise ValueError(f"pad: batch_size={batch_size!r}, expected an int >= the batch's {self.batch_size}")
+        batch_size = size
         if batch_size == self.batch_size:
             return self
         extra = batch_size - self.batch_size

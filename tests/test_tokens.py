@@ -91,6 +91,9 @@ def test_token_batch_validates_shapes() -> None:
     assert numpy_count.actual_batch_size == 3 and type(numpy_count.actual_batch_size) is int
     with pytest.raises(ValueError, match=r"pad: batch_size=4.0, expected an int >= the batch's 4"):
         numpy_count.pad(4.0)  # type: ignore[arg-type]
+    # a numpy count (as pad_batch takes), a plain int in the result
+    grown = numpy_count.pad(np.int64(6))  # type: ignore[arg-type]
+    assert grown.batch_size == 6 and type(grown.batch_size) is int and tuple(grown.tokens["a"].shape) == (6, 5)
 
 
 @pytest.mark.parametrize("packed", [False, True])
