@@ -296,12 +296,19 @@ def plan_dispatch(
         k = max(f[0] for f in found)
         cuts = [f[2].get(k) for f in found]
         fewest = min(p.size for p in parts)
-        if k <= fewest:
+        # A fixed count that one share cannot pack (a share's own tokens need more)
+        # may still pack when the shares are dealt from the micro-batches.
+        fixed = num_micro_batches is not None and k <= fewest  # else a None cut is packed later, at k
+        missing = [i for i, c in enumerate(cuts) if c is None] if fixed else []
+        if k <= fewest and not missing:
             break
-        if not order_free or w * k > u:
+        if not order_free or w * k > u or missing:
             dealt = _deal_micro_batches(un, x, w, max_tokens, num_micro_batches, min_micro_batches,
                                         divisible_by) if order_free else None
             if dealt is None:
+                if missing:  # the share's own reason, raised as a single rank's plan would
+                    _local_k(_sub(un, parts[missing[0]]), max_tokens, None, False, num_micro_batches,
+                             min_micro_batches, divisible_by, where)
                 raise ValueError(f"{k} micro-batches per rank but a rank has only {fewest} {kind} "
                                  f"({u} {kind} for {w} ranks) ({where})")
             k, parts, cuts = dealt

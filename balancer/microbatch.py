@@ -157,7 +157,8 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
     """``(k this rank needs, token bound, {k: cut})``; raises if impossible.
 
     ``strict=False`` (a dispatcher that can still re-split) returns a ``k``
-    above the unit count instead of raising, with no cut.
+    above the unit count, or a fixed ``num`` that does not pack, instead of
+    raising, with no cut.
     """
     u = un.tokens.size
     if padded:
@@ -176,6 +177,8 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
                              f"be empty ({where})")
         cut = _plan_k(un, num, cap, mbs, padded)
         if cut is None:
+            if not strict:
+                return num, bound, {}
             rows = f", micro_batch_size={mbs}" if padded else ""
             if bound > num:
                 raise ValueError(f"num_micro_batches={num} cannot hold these {units} under the budget "

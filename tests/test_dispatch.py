@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,11 +108,11 @@ def test_token_budget_mode_gives_small_shares_enough_samples_for_k() -> None:
     assert min(len(r) for r in plan.ranks) >= 4
 
 
-def _min_dealt_k(lens: np.ndarray, w: int, cap: int) -> int | None:
-    """Brute force: the fewest k such that the samples fill ``w * k`` non-empty micro-batches under ``cap``
-    (then any k of them make a rank's share), or None."""
+def _min_dealt_k(lens: np.ndarray, w: int, cap: int, ks: Any = None) -> int | None:
+    """Brute force: the fewest k (of ``ks``, default all) such that the samples fill ``w * k``
+    non-empty micro-batches under ``cap`` (then any k of them make a rank's share), or None."""
     n = lens.size
-    for k in range(1, n // w + 1):
+    for k in range(1, n // w + 1) if ks is None else [k for k in ks if w * k <= n]:
         labels = np.array(list(itertools.product(range(w * k), repeat=n)))
         onehot = np.stack([labels == j for j in range(w * k)], axis=2)  # [P, n, wk]
         sums = np.einsum("pnj,n->pj", onehot, lens)
@@ -143,6 +144,31 @@ def test_unequal_shares_plan_whenever_micro_batches_can_be_dealt() -> None:
         plan = plan_dispatch(lens, w, equal_count=False, max_tokens=cap, cost=quad)
         _check(plan, lens, w, equal=False, cap=cap)
         assert plan.num_micro_batches >= best
+
+
+def test_unequal_shares_take_a_fixed_micro_batch_count_whenever_it_can_be_dealt() -> None:
+    # By cost {0, 1} | {2, 3, 4} (loads 14 | 11): the second share holds 49 tokens,
+    # more than one micro-batch under max_tokens=37, and that share's miss raised,
+    # though {0, 4} | {1, 2, 3} (36 and 37 tokens) is a plan with one a rank.
+    lens, cost = np.array([3, 21, 12, 4, 33]), np.array([8.0, 6, 5, 3, 3])
+    plan = plan_dispatch(lens, 2, cost=cost, equal_count=False, max_tokens=37, num_micro_batches=1)
+    _check(plan, lens, 2, equal=False, cap=37)
+    assert plan.num_micro_batches == 1 and sorted(map(sorted, plan.ranks)) == [[0, 4], [1, 2, 3]]
+    rng = np.random.default_rng(6)
+    for _ in range(150):
+        n, w, num = int(rng.integers(2, 7)), int(rng.integers(2, 4)), int(rng.integers(1, 3))
+        if n < w:
+            continue
+        lens = rng.integers(1, 12, n)
+        cap = int(lens.max() + rng.integers(0, 12))
+        cost = rng.integers(1, 10, n).astype(np.float64)
+        if _min_dealt_k(lens, w, cap, ks=[num]) is None:
+            with pytest.raises(ValueError):
+                plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
+            continue
+        plan = plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
+        _check(plan, lens, w, equal=False, cap=cap)
+        assert plan.num_micro_batches == num
 
 
 def test_padded_beats_torchspec_round_robin_and_greedy() -> None:
