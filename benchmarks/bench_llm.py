@@ -5,7 +5,7 @@ One command::
     .venv/bin/python benchmarks/bench_llm.py [--quick] [--json-out bench_out/llm.jsonl] \\
         [--plot docs/img/llm_dispatch.png]
 
-Prints five tables side by side and writes one JSON line per measurement
+Prints six tables side by side and writes one JSON line per measurement
 (first line: hardware and versions):
 
 1. dispatch across ranks, summed cost (packed sequences): verl (equal-size KK
@@ -19,6 +19,8 @@ Prints five tables side by side and writes one JSON line per measurement
    (KK into ``ceil(tokens / budget)``, as first published and with the +1
    retry) against ``plan_micro_batches``: count, worst overflow, slowest
    micro-batch over its bound, time;
+   2b. the same with budgets of one to three samples (hundreds of
+   micro-batches): planning time;
 3. padded micro-batches (torchspec: ``mbs`` rows padded to the longest):
    round-robin and greedy dispatch against ``plan_dispatch(padded=True)``:
    slowest rank over the ideal (no padding, perfect balance) and padding waste;
@@ -169,6 +171,34 @@ def micro(sizes: list[int], seeds: int, top: int, emit: Callable[..., None]) -> 
                          worst_fill=over, gap_median=gap, time_ms=ms)
                     print(f"| {n} | {dist} | {cap} | {name} | {k:.2f} | {over:.3f} | {gap:.1e} | {ms:.1f} |",
                           flush=True)
+
+
+def many(sizes: list[int], emit: Callable[..., None]) -> None:
+    """Budgets of one to three samples: hundreds of micro-batches in one rank.
+
+    verl's one KK call (textbook heap of ``k``-lists, no retry) is timed beside
+    ``plan_micro_batches`` (which searches the fewest count that fits, each
+    probe a Karmarkar-Karp start among others)."""
+    print("\n## 2b. Many micro-batches in one rank (budget of one to three samples)\n")
+    print("| N | lengths | budget | method | micro-batches | worst tokens/budget | ms |")
+    print("|---|---|---|---|---|---|---|")
+    for n in sizes:
+        rng = np.random.default_rng(7)
+        for name, lens, cap in (("uniform [2000, 6000)", rng.integers(2000, 6000, n), 11992),
+                                ("all 2276", np.full(n, 2276, np.int64), 2276),
+                                ("uniform [2000, 6000)", rng.integers(2000, 6000, n), 6000)):
+            t = time.perf_counter()
+            parts = verl_micro_batches(lens, cap, workloads=verl_workload(lens), retry=False)
+            dt_verl = time.perf_counter() - t
+            t = time.perf_counter()
+            plan = plan_micro_batches(lens, max_tokens=cap, cost=COST)
+            dt = time.perf_counter() - t
+            for method, k, fill, sec in (
+                    ("verl (one KK call)", len(parts), max(int(lens[p].sum()) for p in parts) / cap, dt_verl),
+                    ("balancer", plan.num_micro_batches, float(plan.tokens.max()) / cap, dt)):
+                emit(kind="many", N=n, lengths=name, budget=cap, method=method, micro_batches=k,
+                     worst_fill=fill, time_ms=1e3 * sec)
+                print(f"| {n} | {name} | {cap} | {method} | {k} | {fill:.3f} | {1e3 * sec:.0f} |", flush=True)
 
 
 # ----------------------------------------------------------------- 3. padded
@@ -344,6 +374,7 @@ def main() -> None:
     dispatch([(8, 16), (8, 64)] if args.quick else [(8, 16), (8, 64), (32, 32), (128, 16)],
              seeds, top, emit)
     micro([64] if args.quick else [64, 256], seeds, top, emit)
+    many([500] if args.quick else [500, 2000], emit)
     padded([(8, 16, 4)] if args.quick else [(8, 16, 4), (8, 64, 8), (32, 32, 4)], seeds, top, emit)
     buffered(6 if args.quick else 30, emit, top)
     if not args.no_e2e:

@@ -59,6 +59,8 @@ def test_bench_llm(tmp_path: Path) -> None:
     verl = {(r["W"], r["B"], r["dist"]): r for r in dispatch if r["method"].startswith("verl")}
     for r in ours:  # never worse than verl's split on the same input
         assert r["gap_median"] <= verl[(r["W"], r["B"], r["dist"])]["gap_median"] + 1e-9, r
+    many = [r for r in rows if r["kind"] == "many" and r["method"] == "balancer"]
+    assert len(many) == 3 and all(r["worst_fill"] <= 1.0 for r in many), many  # the budget holds
 
 
 @pytest.mark.parametrize("script", ["bench_partition.py"])
