@@ -160,3 +160,5 @@ def check_positive(name: str, value: Any, where: str, allow_none: bool = False) 
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}={value!r}, expected an int >= 1 ({where})")
+    if value >= 2**63:  # the planners hold it in int64 arrays (sys.maxsize is the largest)
+        raise ValueError(f"{name}={value!r}, expected an int below 2**63 ({where})")

@@ -99,6 +99,9 @@ def test_errors() -> None:
         disp.put([1], ids=[1.5])  # once truncated to 1, silently
     with pytest.raises(ValueError, match=r"max_tokens=0, expected an int >= 1 \(BufferedDispatcher\)"):
         BufferedDispatcher(2, 2, max_tokens=0)
+    with pytest.raises(ValueError, match=r"max_tokens=9223372036854775808, expected an int below 2\*\*63"):
+        BufferedDispatcher(2, 2, max_tokens=2**63)
+    assert BufferedDispatcher(2, 2, max_tokens=2**63 - 1) is not None  # the largest int64 is a budget
     # A sample over the budget was buffered, then failed every round as "sample 3"
     # of the round's subset, and stayed: no round could go out again.
     capped = BufferedDispatcher(2, 2, window=1, max_tokens=10)

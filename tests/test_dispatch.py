@@ -231,6 +231,9 @@ def test_host_only_no_torch_ops() -> None:
     ([5] * 4, 2, {"padded": True, "num_micro_batches": 3},
      r"2 ranks x 3 micro-batches need 6 samples, only 4 given"),
     ([1, 2], 0, {}, r"world_size=0, expected an int >= 1 \(controller\)"),
+    # beyond int64: an OverflowError from numpy
+    ([1, 2], 1, {"max_tokens": 2**63}, r"max_tokens=9223372036854775808, expected an int below 2\*\*63"),
+    ([1, 2], 1, {"max_tokens": 2**63, "padded": True}, r"max_tokens=9223372036854775808, expected an int below"),
 ])
 def test_errors(lengths: list, w: int, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -278,6 +278,7 @@ def test_inputs_tensors_costs_and_restore() -> None:
     ([1, 2], {"micro_batch_size": 2}, "micro_batch_size=2 bounds the rows of padded micro-batches"),
     ([1, 2], {"max_tokens": 0}, r"max_tokens=0, expected an int >= 1 \(rank 0\)"),
     ([1, 2], {"divisible_by": True}, "divisible_by=True, expected an int >= 1"),
+    ([1, 2], {"max_tokens": 2**70}, r"max_tokens=1180591620717411303424, expected an int below 2\*\*63 \(rank 0\)"),
     ([1, 2], {"cost": lambda x: -x}, r"cost of sample 0 is -1.0, expected a finite value >= 0"),
     ([1, 2], {"groups": [0]}, r"groups has shape \(1,\) and dtype int64, expected \[2\] ints"),
     ([1, 2], {"cost": ["a", "b"]}, r"cost has dtype <U1, expected numbers per sample"),
