@@ -284,11 +284,11 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
             continue
         name = f"{s.part}[{s.field!r}]" if s.part == "tokens" else f"{s.field}.{s.part}"
         got = meta.numels[(s.field, s.part)]
-        if s.padded:  # padded tokens: every sample must fit its slot
+        if s.padded:  # padded tokens: every sample must fit its slot (L, not the stride: width may be 0)
             longest = int(lengths[s.row : s.row + s.count].max(initial=0))
-            if longest * s.width > s.stride:
+            if longest > meta.pad_len:
                 _fail(meta, Status.BAD_LENGTHS, f"seq_lens has a sample of {longest} tokens, longer than "
-                      f"the padded length {s.stride // max(s.width, 1)} of {name} (rank {r})")
+                      f"the padded length {meta.pad_len} of {name} (rank {r})")
             continue
         expected = int(lengths[s.row : s.row + s.count].sum()) * s.width
         if got != expected:

@@ -304,3 +304,23 @@ def test_fields_replaced_after_construction_fail_on_every_rank() -> None:
             kind, msg = o[name]
             assert kind == "ValueError" and text in msg, (name, kind, msg)
             assert msg == outs[0][name][1]
+
+
+def _too_long_worker(rank: int, w: int, width: int) -> tuple[str, str]:
+    lens = torch.tensor([5, 1, 1]) if rank == 0 else torch.tensor([1, 1, 1])
+    tokens = {"e": torch.zeros(3, 4, width)}  # L = 4: rank 0's first sample does not fit
+    try:
+        BatchShuffler(lambda b: b.seq_lens.double() ** 2).shuffle(TokenBatch(batch_size=3, seq_lens=lens,
+                                                                             tokens=tokens))
+        return ("ok", "")
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+@pytest.mark.parametrize("width", [2, 0])
+def test_a_sample_longer_than_the_padded_length_fails_whatever_the_width(width: int) -> None:
+    # Checked as tokens * width against the field's stride, which is 0 for a
+    # zero-width field: the 5-token sample was accepted into a batch of L = 4.
+    for kind, msg in run_workers(_too_long_worker, 2, width, timeout=120):
+        assert kind == "ValueError" and "seq_lens has a sample of 5 tokens, longer than the padded length 4 of " \
+            "tokens['e'] (rank 0)" in msg, msg
