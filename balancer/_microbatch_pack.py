@@ -175,12 +175,14 @@ def fit_tokens(tokens: np.ndarray, k: int, cap: int) -> np.ndarray | None:
 def first_fit_padded(head: np.ndarray, rows: np.ndarray, cap: int | None, max_rows: int | None) -> list[list[int]]:
     """First-fit decreasing by length: micro-batches (lists of unit indices) within the caps.
 
-    Units are taken longest first (ties by index); each goes to the first
-    micro-batch that stays within ``cap`` (rows x its first, longest unit)
-    and ``max_rows``, or opens a new one. So every list is in that order too:
-    longest first.
+    Units are taken longest first, of equal length the most rows first
+    (first-fit decreasing within a length: by index, rows ``[1, 1, 2, 2]``
+    under 3 rows took three micro-batches), then by index; each goes to the
+    first micro-batch that stays within ``cap`` (rows x its first, longest
+    unit) and ``max_rows``, or opens a new one. So every list is in that
+    order too: longest first.
     """
-    order = np.lexsort((np.arange(head.size), -head)).tolist()
+    order = np.lexsort((np.arange(head.size), -rows, -head)).tolist()
     first: list[int] = []  # the longest length of each micro-batch
     used: list[int] = []  # its rows
     out: list[list[int]] = []

@@ -417,6 +417,10 @@ def test_grouped_padded_and_tight_packings() -> None:
     plan = plan_micro_batches(lens, max_tokens=29, num_micro_batches=3)
     assert plan.tokens.tolist() == [29, 29, 29]
     assert plan_micro_batches(lens, max_tokens=29).num_micro_batches == 3
+    # Equal lengths, groups of 1, 1, 2, 2 rows, 3 rows a micro-batch: first fit
+    # by index put the two single rows together and needed 3.
+    plan = plan_micro_batches([7] * 6, max_tokens=23, padded=True, groups=[0, 2, 3, 3, 4, 4])
+    assert plan.num_micro_batches == 2 and sorted(map(sorted, plan.micro_batches)) == [[0, 2, 3], [1, 4, 5]]
 
 
 def test_half_precision_and_grad_lengths_are_read() -> None:
