@@ -273,21 +273,18 @@ def kk_labels(cost: np.ndarray, k: int, equal: bool = False) -> np.ndarray:
     if n == 0:
         return np.zeros(0, np.int64)
     merge = _kk_merge_lists if k <= _KK_LIST_K else _kk_merge_arrays
-    heap: list[tuple[Any, int, Any, Any]] = []
     if equal:
-        order = np.argsort(cost, kind="stable")
-        for r in range(0, n, k):
-            row = order[r : r + k][::-1]  # descending
-            sums = cost[row]
-            heap.append(((sums[-1] - sums[0]).item(), r, sums, row.copy()))
+        nodes = np.argsort(cost, kind="stable").reshape(-1, k)[:, ::-1]  # rows of k, descending
+        sums = cost[nodes]
+        keys, ticks = (sums[:, -1] - sums[:, 0]).tolist(), range(0, n, k)
     else:
-        sums0, none = np.zeros(k, cost.dtype), np.full(k, -1, np.int64)
-        for i, v in enumerate(cost):
-            sums, nodes = sums0.copy(), none.copy()
-            sums[0], nodes[0] = v, i
-            heap.append((-v.item(), i, sums, nodes))
-    if k <= _KK_LIST_K:
-        heap = [(key, t, sums.tolist(), nodes.tolist()) for key, t, sums, nodes in heap]
+        sums = np.zeros((n, k), cost.dtype)
+        sums[:, 0] = cost
+        nodes = np.full((n, k), -1, np.int64)
+        nodes[:, 0] = np.arange(n)
+        keys, ticks = (-cost).tolist(), range(n)
+    states = (sums.tolist(), nodes.tolist()) if k <= _KK_LIST_K else (list(sums), list(nodes))
+    heap: list[tuple[Any, int, Any, Any]] = list(zip(keys, ticks, *states, strict=True))
     heapq.heapify(heap)
     left: list[int] = []  # children of union n + j
     right: list[int] = []
