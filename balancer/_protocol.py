@@ -279,21 +279,20 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
     layout = meta.layout
     if layout is None or meta.status:
         return
+    padded = next((s for s in layout.sections if s.jagged and s.padded), None)
+    if padded is not None:  # padded tokens: every sample fits L (not the stride: a field's width may be 0)
+        longest = int(lengths[padded.row : padded.row + padded.count].max(initial=0))
+        if longest > meta.pad_len:
+            _fail(meta, Status.BAD_LENGTHS, f"seq_lens has a sample of {longest} tokens, longer than "
+                  f"the padded length {meta.pad_len} of {section_name(padded)} (rank {r})")
     for s in layout.sections:
-        if not s.jagged:
+        if not s.jagged or s.padded:
             continue
-        name = f"{s.part}[{s.field!r}]" if s.part == "tokens" else f"{s.field}.{s.part}"
         got = meta.numels[(s.field, s.part)]
-        if s.padded:  # padded tokens: every sample must fit its slot (L, not the stride: width may be 0)
-            longest = int(lengths[s.row : s.row + s.count].max(initial=0))
-            if longest > meta.pad_len:
-                _fail(meta, Status.BAD_LENGTHS, f"seq_lens has a sample of {longest} tokens, longer than "
-                      f"the padded length {meta.pad_len} of {name} (rank {r})")
-            continue
         expected = int(lengths[s.row : s.row + s.count].sum()) * s.width
         if got != expected:
             what = "sum(seq_lens)" if s.part == "tokens" else "sum(lengths)"
-            _fail(meta, Status.BAD_LENGTHS, f"{name} has {got} elements, expected {what} * "
+            _fail(meta, Status.BAD_LENGTHS, f"{section_name(s)} has {got} elements, expected {what} * "
                   f"{s.width} = {expected} (rank {r})")
 
 
