@@ -25,6 +25,7 @@ were not there (lowering their max makes room), and the whole partition again.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -381,6 +382,19 @@ def _closest(sorted_vals: np.ndarray, want: np.ndarray, gap: np.ndarray, base: n
     return k, m, int(lo[k, m] if use_lo[k, m] else hi[k, m])
 
 
+@functools.lru_cache(maxsize=64)
+def _pair_columns(b: int, sample: int) -> tuple[np.ndarray, np.ndarray]:
+    """The column pairs ``(ci, cj)``, ``ci < cj``, of :func:`polish_pairs`: every
+    ``B // sample``-th column (all for ``B <= sample``). Cached, read-only: building
+    them took ~40 us, and :func:`level_others` calls ``polish_pairs`` up to 16 times
+    a partition (32x8 uniform: ~0.25 of its 2.4 ms)."""
+    cols = np.arange(0, b, max(1, b // sample))
+    ii, jj = np.triu_indices(cols.size, 1)
+    ci, cj = cols[ii], cols[jj]
+    ci.flags.writeable = cj.flags.writeable = False
+    return ci, cj
+
+
 def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: float,
                  max_steps: int, sample: int = 48) -> int:
     """Like :func:`polish`, trading two items of the heaviest part for two of another.
@@ -395,9 +409,7 @@ def polish_pairs(vals: np.ndarray, rows: np.ndarray, loads: np.ndarray, target: 
     w, b = rows.shape
     if w < 2 or b < 2:
         return 0
-    cols = np.arange(0, b, max(1, b // sample))
-    ii, jj = np.triu_indices(cols.size, 1)
-    ci, cj = cols[ii], cols[jj]
+    ci, cj = _pair_columns(b, sample)
     big = np.inf if vals.dtype.kind == "f" else np.iinfo(np.int64).max
     steps = 0
     while steps < max_steps:
