@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from balancer._ints import is_int
 from balancer._plan_layout import KJTPlan, PlanLayout, SectionPlan
 from balancer.tokens import TokenBatch
 
@@ -278,11 +279,11 @@ def scalar_problems(batch: Any) -> list[str]:
     ``TokenBatch`` ``pad_multiple`` an int >= 1 and at least one token field."""
     out = []
     b = getattr(batch, "batch_size", None)
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+    if not is_int(b, 1):
         out.append(f"batch_size={b!r} ({type(b).__name__}), expected an int >= 1")
     if isinstance(batch, TokenBatch):
         m = batch.pad_multiple
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if not is_int(m, 1):
             out.append(f"pad_multiple={m!r}, expected an int >= 1")
         if not batch.tokens:
             out.append("tokens is empty, expected at least one per-token tensor")

@@ -48,6 +48,7 @@ import torch
 
 from balancer._agreement import Agreement, payload_words
 from balancer._header import H_MEAS_TIME, H_PAD_LEN, H_PREV_GROUP, HEADER_LEN, MAGIC
+from balancer._ints import as_count
 from balancer._layout import (
     WireLayout,
     layout_problems,
@@ -58,7 +59,6 @@ from balancer._layout import (
     wire_layout,
 )
 from balancer._limits import MAX_LENGTH
-from balancer.batch import as_count
 
 __all__ = [
     "NO_PREV", "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from balancer._ints import is_int
 from balancer._limits import MAX_COST
 from balancer.batch import BaseBatch
 
@@ -89,7 +90,7 @@ def _names(value: Any) -> tuple[str, ...]:
 def _positive_int(obj: object, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v, 1):
             raise ValueError(f"{type(obj).__name__}: {f}={v!r}, expected an int >= 1")
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -37,6 +36,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from balancer._ints import as_count, is_int
 from balancer._kjt import kjt_index_select
 
 logger = logging.getLogger(__name__)
@@ -51,16 +51,6 @@ _T = TypeVar("_T")
 # value read in the caller's per-step path.
 _CHECK_CONTENTS: contextvars.ContextVar[bool] = contextvars.ContextVar("balancer_check_contents", default=True)
 
-
-
-def as_count(value: Any) -> int | None:
-    """``value`` as a Python int if it is an integer (numpy ones too; not a bool), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 @dataclasses.dataclass(kw_only=True)
 class BaseBatch(Pipelineable):
@@ -95,7 +85,7 @@ class BaseBatch(Pipelineable):
     actual_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+        if not is_int(self.batch_size):
             raise TypeError(f"batch_size must be an int, got {type(self.batch_size).__name__}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}, expected >= 1")

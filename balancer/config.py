@@ -12,6 +12,7 @@ import functools
 import inspect
 from typing import Any
 
+from balancer._ints import is_int
 from balancer._limits import MAX_TIMEOUT_S
 
 __all__ = ["BalancerConfig"]
@@ -38,7 +39,7 @@ def check_bool(owner: str, field: str, value: object) -> None:
 
 def check_interval(owner: str, field: str, value: object) -> None:
     """Raise ValueError unless ``value`` is an int >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value, 0):
         raise ValueError(f"{owner}: {field}={value!r}, expected an int >= 0")
 
 
@@ -78,7 +79,7 @@ def check_group_size(owner: str, value: object, *, comm: str, default_partition:
     every rank's samples; a group sees only its own)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+    if not is_int(value, 2):
         raise ValueError(f"{owner}: group_size={value!r}, expected None or an int >= 2 (ranks per group)")
     clash = [f"{name}={v!r}" for name, v, bad in (
         ("comm", comm, comm != "all2all"), ("partition", partition, not default_partition),
@@ -220,8 +221,7 @@ class BalancerConfig:
         keys = self.calibration_keys
         if keys is not None and (not isinstance(keys, tuple) or not keys or not all(isinstance(k, str) for k in keys)):
             raise ValueError(f"{me}: calibration_keys={keys!r}, expected None or a non-empty tuple of str")
-        if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
-                                          or self.capacity < 1):
+        if self.capacity is not None and not is_int(self.capacity, 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")
         check_token_cap(me, self.token_cap, default_partition=self.partition == "balanced",
                         needs="partition='balanced'", partition=self.partition, capacity=self.capacity)

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from balancer import _comm
 from balancer._destinations import PartitionFn
+from balancer._ints import is_int
 from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
 from balancer.batch import BaseBatch
 from balancer.config import check_bool, check_interval, check_timeout
@@ -132,8 +133,7 @@ class BalancedLoader(Generic[_B]):
         if not callable(workload_fn):
             raise ValueError(f"{me}: workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
         check_interval(me, "ahead", ahead)
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                       or batch_size < 1):
+        if batch_size is not None and not is_int(batch_size, 1):
             raise ValueError(f"{me}: batch_size={batch_size!r}, expected None or an int >= 1")
         check_bool(me, "pin_memory", pin_memory)
         check_timeout(me, "timeout", timeout)
@@ -231,7 +231,7 @@ class BalancedLoader(Generic[_B]):
         dataset (an ``IterableDataset``) that has one. A
         different epoch than a loaded state's starts that epoch from its
         beginning; the same one keeps the resume point."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        if not is_int(epoch, 0):
             raise ValueError(f"BalancedLoader.set_epoch: epoch={epoch!r}, expected an int >= 0")
         if epoch != self._epoch:
             self._skip = 0
@@ -251,7 +251,7 @@ class BalancedLoader(Generic[_B]):
         skips its first ``state["consumed"]`` batches (stops a running pass)."""
         for key in ("epoch", "consumed"):
             v = state.get(key) if isinstance(state, dict) else None
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int(v, 0):
                 raise ValueError(f"BalancedLoader.load_state_dict: {key}={v!r}, expected an int >= 0")
         self._end_run()
         self.set_epoch(state["epoch"])

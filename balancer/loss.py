@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from balancer._ints import is_int
+
 __all__ = ["global_loss_value", "global_mean_loss", "global_weighted_mean_loss"]
 
 _REDUCTIONS = ("mean", "sum")
@@ -173,7 +175,7 @@ def global_mean_loss(
             f"per_sample_loss shape {tuple(per_sample_loss.shape)}, expected [B] (rank {_rank(pg)})"
         )
     b = per_sample_loss.shape[0]
-    if isinstance(num_real, bool) or not isinstance(num_real, int) or not 0 <= num_real <= b:
+    if not is_int(num_real, 0) or num_real > b:
         raise ValueError(f"num_real={num_real!r}, expected an int in [0, {b}] (rank {_rank(pg)})")
     real = per_sample_loss[:num_real].to(_accumulate_dtype(per_sample_loss.dtype))
     count = torch.tensor(float(num_real), dtype=torch.float64, device=per_sample_loss.device)

@@ -61,6 +61,7 @@ from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
 from balancer._header import H_REAL, HEADER_LEN
+from balancer._ints import is_int
 from balancer._layout import WireLayout, fingerprint
 from balancer._protocol import (
     NO_PREV,
@@ -215,7 +216,7 @@ class BatchShuffler(ShufflerBase):
         check_timeout(me, "timeout", timeout)
         check_bool(me, "calibrate", calibrate)
         if capacity is not None:
-            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            if not is_int(capacity, 1):
                 raise ValueError(f"{me}: capacity={capacity!r}, expected None or an int >= batch_size")
             if partition is not balanced_partition:
                 raise ValueError(f"{me}: capacity={capacity} partitions with free_partition; "

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from balancer.batch import as_count
+from balancer._ints import as_count, is_int
 
 __all__ = ["TokenBatch"]
 
@@ -68,7 +68,7 @@ class TokenBatch:
 
     def __post_init__(self) -> None:
         b = self.batch_size
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if not is_int(b, 1):
             raise ValueError(f"batch_size={b!r}, expected an int >= 1")
         if self.actual_batch_size is None:
             self.actual_batch_size = b
@@ -77,7 +77,7 @@ class TokenBatch:
             raise ValueError(f"actual_batch_size={self.actual_batch_size!r}, expected an int with "
                              f"0 <= actual_batch_size <= batch_size={b}")
         self.actual_batch_size = a
-        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
+        if not is_int(self.pad_multiple, 1):
             raise ValueError(f"pad_multiple={self.pad_multiple!r}, expected an int >= 1")
         s = self.seq_lens
         if not isinstance(s, torch.Tensor) or s.shape != (b,) or s.is_floating_point() or s.dtype == torch.bool:

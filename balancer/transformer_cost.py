@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from balancer._ints import is_int
 from balancer._quadratic import _evaluate, _names, _positive_int, _Quadratic, sequence_lengths
 from balancer.batch import BaseBatch
 
@@ -118,7 +119,7 @@ class TransformerCost(_Quadratic):
                 f"num_kv_heads={self.num_kv_heads}"
             )
         v = self.vocab_size
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if not is_int(v, 0):
             raise ValueError(f"TransformerCost: vocab_size={v!r}, expected an int >= 0")
 
     @classmethod
@@ -163,7 +164,7 @@ class TransformerCost(_Quadratic):
                 if required:
                     raise ValueError(f"config is missing {key!r} (required by TransformerCost.from_hf_config)")
                 return default
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value, 0):
                 raise ValueError(f"config field {key}={value!r}, expected a non-negative int")
             return value
 
