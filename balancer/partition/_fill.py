@@ -17,7 +17,8 @@ where capped LPT is 2.3e-3 above it).
 
 One item at a time is far too slow at N = 262,144 in Python. A *step* here
 deals about ``rows_per_step`` rows of items (``rows_per_step * open parts``,
-and only items within a factor 2 of the largest remaining one) at once:
+and only items within a factor 2 of the largest remaining one, 4 at
+5-8 items a part) at once:
 
 1. ``mu`` is the mean of what remains *after* the step (the projection the
    step moves towards); the open parts are sorted by ``proj``;
@@ -53,6 +54,15 @@ from balancer.partition._refine import order_floats
 __all__ = ["fill"]
 
 _BAND = 0.5  # a step deals only items >= _BAND * the largest remaining one
+# ... and >= _BAND_FEW * it at 5-8 items a part, where each part takes an item
+# or two a step and column re-matching follows: fewer, fuller steps. Side by
+# side with 0.5 (bench_partition.py --only scale --before f01da70 --seeds 3,
+# per-seed medians): 32768x8 lognormal 25.7 -> 18.6 ms, Zipf 26.7 -> 23.6,
+# 16384x8 and 2048x8 to 8192x8 1.0-1.1x, quality the same or closer. At B = 4
+# it was mixed (65536x4 Zipf 32.7 -> 41.7 ms: its start ends above re-matching's
+# stop more often), at B = 32 it cost quality (8192x32 Zipf worst 5.0e-6 -> 1.7e-3).
+_BAND_FEW = 0.25
+_BAND_FEW_B = (5, 8)
 _FEW = 64  # _deal: rounds over more parts than this go one by one
 # Once fewer than half the parts are open, the open ones are those that took a
 # huge item early and wait for the smallest items; a step there deals at least
@@ -92,6 +102,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
     n = vals.size
     w = num_parts
     cap = n // w
+    band = _BAND_FEW if _BAND_FEW_B[0] <= cap <= _BAND_FEW_B[1] else _BAND
     is_int = vals.dtype.kind != "f"
     if start is None:
         flat = np.empty(n, np.int64)
@@ -116,7 +127,7 @@ def fill(vals: np.ndarray, num_parts: int, prefix: np.ndarray,
             slots[:] = 0
             break
         parts = ids.size
-        thr = int(np.ceil(_BAND * float(x0))) if is_int else _BAND * float(x0)
+        thr = int(np.ceil(band * float(x0))) if is_int else band * float(x0)
         k = rows_per_step * parts
         if 2 * parts < w:
             k = max(k, -(-pos // _TAIL_STEPS))
