@@ -37,7 +37,7 @@ from balancer._microbatch_pack import (
     pack_padded_groups,
     segment_padded,
 )
-from balancer.microbatch import MicroBatchPlan, _finish, _grouped, _local_k, _plan_k
+from balancer.microbatch import MicroBatchPlan, _cut_at, _finish, _grouped, _local_k, _plan_k
 from balancer.partition import balanced_partition, lower_bound
 from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign, labels_to_lists
@@ -126,15 +126,15 @@ def _equal_split(x: np.ndarray, w: int) -> list[np.ndarray]:
 
 
 def _rank_plan(un: Units, parts: list[np.ndarray], k: int, cap: int | None,
-               cuts: list[Any]) -> list[MicroBatchPlan]:
-    """Each share cut into ``k`` micro-batches (reusing the cuts found while choosing ``k``)."""
+               known: list[dict[int, Any]]) -> list[MicroBatchPlan]:
+    """Each share cut into ``k`` micro-batches: a cut found while choosing ``k``, a
+    packing at ``k``, or the share's own fewer split up (``_cut_at``)."""
     plans = []
-    for idx, cut in zip(parts, cuts, strict=True):
+    for idx, cuts in zip(parts, known, strict=True):
         sub = _sub(un, idx)
-        if cut is None:
-            cut = _plan_k(sub, k, cap, None, False)
-        if cut is None:
-            raise RuntimeError(f"no cut into {k} micro-batches found for a rank that needed fewer")
+        cut = _cut_at(sub, k, cap, None, False, cuts)
+        # Every share has >= k units and a cut into at most k (its own k, or k dealt).
+        assert cut is not None, "a share's cut into fewer splits up to k"
         plans.append(_finish(sub, cut, k, False, k, k, cap))
     return plans
 
@@ -274,7 +274,7 @@ def plan_dispatch(
     order_free = equal_count is False
     min_size = 1
     k = 0
-    cuts: list[Any] = []
+    known: list[dict[int, Any]] = []
     for _ in range(4):  # token-budget mode: re-split if a share is too small for k
         if order_free:
             labels = free_assign(x, w, min_size)
@@ -294,6 +294,7 @@ def plan_dispatch(
         found = [_local_k(_sub(un, p), max_tokens, None, False, num_micro_batches,
                           min_micro_batches, divisible_by, where, strict=False) for p in parts]
         k = max(f[0] for f in found)
+        known = [f[2] for f in found]
         cuts = [f[2].get(k) for f in found]
         fewest = min(p.size for p in parts)
         # A fixed count that one share cannot pack (a share's own tokens need more)
@@ -312,6 +313,7 @@ def plan_dispatch(
                 raise ValueError(f"{k} micro-batches per rank but a rank has only {fewest} {kind} "
                                  f"({u} {kind} for {w} ranks) ({where})")
             k, parts, cuts = dealt
+            known = [{k: c} for c in cuts]
             min_size = k
             break
         min_size = k
@@ -320,6 +322,7 @@ def plan_dispatch(
         if dealt is None:
             raise ValueError(f"no split gives every rank {k} {kind} ({where})")
         k, parts, cuts = dealt
+        known = [{k: c} for c in cuts]
         min_size = k
     loads = np.array([float(un.cost[p].sum()) for p in parts])
     bound = (bound_sorted(np.sort(x), w, equal_size=False, min_size=min_size) if order_free else lower_bound(x, w))
@@ -327,7 +330,7 @@ def plan_dispatch(
     before = _contiguous(u, w)
     loads_before = np.array([float(un.cost[p].sum()) for p in before])
     if cut:
-        plans = _rank_plan(un, parts, k, max_tokens, cuts)
+        plans = _rank_plan(un, parts, k, max_tokens, known)
         ptok = np.array([int(p.padded_tokens.sum()) for p in plans], np.int64)
         mbs = [p.micro_batches for p in plans]
     else:

@@ -136,6 +136,63 @@ def _plan_k(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool) -
     return pack_sum(un.cost, un.tokens, k, cap)
 
 
+def _split_up(un: Units, labels: np.ndarray, k: int, padded: bool) -> np.ndarray:
+    """A cut into ``k`` micro-batches from a cut into fewer (``labels``, ids ``0..m-1``):
+    the costliest micro-batch of two or more units is split in two, until ``k``.
+
+    Splitting keeps every budget (a half holds fewer tokens, rows and padded
+    tokens than the whole), so a cut into ``m`` always gives one into any
+    ``m < k <= units``; the packing search, a heuristic, can miss those (59
+    samples under 88 tokens: it packed 28 micro-batches but not 29). Summed
+    costs split by LPT into two halves; padded ones at the length order's
+    cheapest point (the two halves' padded costs summed).
+    """
+    labels = labels.copy()
+    m = int(labels.max()) + 1
+    while m < k:
+        sizes = np.bincount(labels, minlength=m)
+        costs: np.ndarray
+        if padded:
+            head_cost = np.zeros(m)
+            np.maximum.at(head_cost, labels, un.head_cost)
+            costs = np.bincount(labels, weights=un.rows, minlength=m) * head_cost
+        else:
+            costs = np.bincount(labels, weights=un.cost.astype(np.float64), minlength=m)
+        costs[sizes < 2] = -np.inf
+        j = int(np.argmax(costs))
+        idx = np.flatnonzero(labels == j)
+        if padded:
+            idx = idx[np.lexsort((idx, -un.head[idx]))]  # longest first, ties by index
+            rows = np.cumsum(un.rows[idx])
+            hc = un.head_cost[idx]
+            split = rows[:-1] * hc[0] + (rows[-1] - rows[:-1]) * hc[1:]  # first s + 1 units | the rest
+            second = idx[int(np.argmin(split)) + 1:]
+        else:
+            idx = idx[np.lexsort((idx, -un.cost[idx]))]  # costliest first, ties by index
+            half = np.zeros(2)
+            side = np.empty(idx.size, np.int64)
+            for i, c in enumerate(un.cost[idx].astype(np.float64).tolist()):
+                side[i] = int(half[1] < half[0])
+                half[side[i]] += c
+            second = idx[side == 1]
+        labels[second] = m
+        m += 1
+    return labels
+
+
+def _cut_at(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool,
+            known: dict[int, Any]) -> Any:
+    """The cut at ``k``: a known one, a packing found at ``k``, or a known cut into fewer
+    split up (:func:`_split_up`); ``None`` only when none of those exists."""
+    if k in known:
+        return known[k]
+    cut = _plan_k(un, k, cap, mbs, padded)
+    fewer = [m for m in known if m < k and known[m] is not None]
+    if cut is None and fewer and k <= un.tokens.size:
+        cut = _split_up(un, known[max(fewer)], k, padded)
+    return cut
+
+
 def _grouped(un: Units) -> bool:
     """Whether a unit is a group of several samples (padded runs are then not always optimal)."""
     return bool(un.rows.max(initial=1) > 1)
@@ -177,6 +234,11 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
                              f"be empty ({where})")
         cut = _plan_k(un, num, cap, mbs, padded)
         if cut is None:
+            # The search may miss a packing at ``num`` that the fewest cut, split up, gives.
+            few = _fewest(un, cap, mbs, padded, fewest, u)
+            if few is not None and few[0] <= num:
+                cut = _split_up(un, few[1], num, padded)
+        if cut is None:
             if not strict:
                 return num, bound, {}
             rows = f", micro_batch_size={mbs}" if padded else ""
@@ -190,22 +252,49 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
         return num, bound, {num: cut}
     if cap is not None and not padded:
         fewest = max(fewest, bins_bound(un.tokens, cap))  # no cut fits in fewer: no probe below it
-    # The fewest k that packs: probe the bound, then gallop (div, 2 div, 4 div, ...
-    # above it) to a k that packs and bisect back; a probe is a whole packing
-    # search, so stepping by one from a weak bound took minutes at N = 800.
-    fail, k = 0, -(-max(lo, fewest) // div) * div
+    first = -(-max(lo, fewest) // div) * div
+    found = _search(un, cap, mbs, padded, first, div, u)
+    if found is not None and found[0] > first and (lo > fewest or div > 1):
+        # Probes at allowed counts missed: the fewest cut of all, split up to the
+        # first allowed count above it, may beat the constrained search's count.
+        few = _fewest(un, cap, mbs, padded, fewest, u)
+        if few is not None:
+            k = -(-max(lo, few[0]) // div) * div
+            if k < found[0]:
+                found = (k, _split_up(un, few[1], k, padded))
+    if found is None:
+        top = u // div * div  # the most micro-batches with none empty
+        need = top + div if top >= max(lo, fewest) else first
+        if not strict:
+            return need, bound, {}
+        raise ValueError(f"needs {need} micro-batches (token budget {cap}, min_micro_batches={lo}, "
+                         f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
+                         f"empty ({where})")
+    good, cut = found
+    return good, bound, {good: cut}
+
+
+def _fewest(un: Units, cap: int | None, mbs: int | None, padded: bool, fewest: int,
+            u: int) -> tuple[int, Any] | None:
+    """The fewest micro-batches the packing finds (no ``min_micro_batches`` or
+    ``divisible_by``), with its cut; ``None`` if none up to ``u`` packs."""
+    return _search(un, cap, mbs, padded, max(1, fewest), 1, u)
+
+
+def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: int, div: int,
+            u: int) -> tuple[int, Any] | None:
+    """The fewest multiple of ``div`` from ``first`` up to ``u`` that packs, with its cut,
+    or ``None``: probe ``first``, then gallop (div, 2 div, 4 div, ... above it)
+    to a count that packs and bisect back. A probe is a whole packing search,
+    so stepping by one from a weak bound took minutes at N = 800."""
+    fail, k = 0, first
     found: tuple[int, Any] | None = None
     step = div
     while found is None:
         if k > u:
             top = u // div * div  # the most micro-batches with none empty
-            if top <= fail or top < max(lo, fewest):
-                need = fail + div if fail else k
-                if not strict:
-                    return need, bound, {}
-                raise ValueError(f"needs {need} micro-batches (token budget {cap}, min_micro_batches={lo}, "
-                                 f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
-                                 f"empty ({where})")
+            if top <= fail or top < first:
+                return None
             k = top
         cut = _plan_k(un, k, cap, mbs, padded)
         if cut is not None:
@@ -220,7 +309,7 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
             good, cut = mid, c
         else:
             fail = mid
-    return good, bound, {good: cut}
+    return good, cut
 
 
 def _agree(k: int, fingerprint: int, failed: bool, units: int, pg: ProcessGroup | None
@@ -447,9 +536,9 @@ def plan_micro_batches(
             raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
                              f"samples or groups: a micro-batch would be empty ({where})")
     assert un is not None, "set unless an error was raised"
-    cut = cache[k] if k in cache else _plan_k(un, k, max_tokens, micro_batch_size, padded)
-    if cut is None:  # more micro-batches than this rank needed: only a failed heuristic
-        raise RuntimeError(f"no cut into {k} micro-batches found although {k_local} fit ({where})")
+    # k >= k_local, and k <= this rank's units (checked in the agreement): a cut exists.
+    cut = _cut_at(un, k, max_tokens, micro_batch_size, padded, cache)
+    assert cut is not None, "a cut into k_local splits up to any k up to the unit count"
     if k != k_local:
         logger.debug("rank %d: %d micro-batches (needed %d)", rank, k, k_local)
     return _finish(un, cut, k, padded, k_local, bound, max_tokens)

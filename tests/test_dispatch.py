@@ -305,3 +305,26 @@ def test_padded_groups_are_not_only_length_runs() -> None:
     assert plan.micro_batches == [[[1, 2, 3], [0, 4]]]
     assert plan_dispatch([10, 9, 9, 9, 8], 1, groups=[0, 1, 1, 1, 2], max_tokens=30,
                          padded=True).num_micro_batches == 2
+
+
+def test_a_share_that_needed_fewer_micro_batches_is_split_up() -> None:
+    # 183 samples on 3 ranks under 88 tokens (cost L^2): the shares need 28 and 29
+    # micro-batches, and the packing search missed 29 for the share that needed 28:
+    # RuntimeError ("no cut into 29 micro-batches found for a rank that needed fewer").
+    lens = np.array([39, 56, 55, 20, 45, 43, 35, 24, 56, 32, 21, 37, 25, 22, 33, 44, 49, 36, 42, 31, 41, 55,
+                     54, 23, 22, 22, 57, 53, 38, 38, 39, 54, 28, 37, 36, 35, 38, 21, 31, 56, 35, 42, 25, 22,
+                     29, 46, 49, 28, 46, 51, 37, 53, 42, 26, 22, 36, 41, 59, 25, 30, 35, 58, 45, 58, 44, 52,
+                     33, 40, 27, 31, 59, 55, 54, 29, 50, 32, 34, 33, 22, 43, 43, 47, 32, 31, 26, 52, 40, 41,
+                     45, 40, 54, 20, 56, 51, 29, 45, 55, 56, 24, 46, 43, 23, 20, 53, 24, 48, 50, 30, 49, 24,
+                     35, 29, 25, 31, 27, 22, 33, 22, 24, 49, 54, 28, 36, 27, 45, 20, 29, 36, 26, 45, 53, 26,
+                     42, 22, 30, 52, 50, 47, 54, 34, 52, 25, 26, 48, 28, 35, 27, 42, 20, 40, 32, 49, 28, 46,
+                     45, 44, 40, 58, 40, 57, 23, 59, 29, 53, 46, 57, 23, 47, 52, 35, 37, 21, 56, 35, 50, 56,
+                     48, 40, 56, 47, 41, 47, 53])
+    plan = plan_dispatch(lens, 3, max_tokens=88, cost=lambda x: x.astype(np.float64) ** 2)
+    assert plan.num_micro_batches == 29
+    assert plan.micro_batches is not None
+    seen = sorted(i for rank in plan.micro_batches for m in rank for i in m)
+    assert seen == list(range(lens.size)), "every sample once"
+    for rank, share in zip(plan.micro_batches, plan.ranks, strict=True):
+        assert len(rank) == 29 and all(m and int(lens[m].sum()) <= 88 for m in rank)
+        assert sorted(i for m in rank for i in m) == share

@@ -427,3 +427,60 @@ def test_half_precision_and_grad_lengths_are_read() -> None:
     # numpy has no bfloat16: .numpy() raised "unsupported ScalarType"
     for t in (torch.tensor([3.0, 1.0], dtype=torch.bfloat16), torch.tensor([3.0, 1.0], requires_grad=True)):
         assert plan_micro_batches(t, max_tokens=3).micro_batches == [[0], [1]]
+
+
+# ------------------------------------------------------------ more micro-batches than the fewest
+# The packing search is a heuristic: on these 59 samples under 88 tokens (cost L^2)
+# it packs 28 micro-batches but missed 29, which splitting any of the 28 gives.
+# A rank that agreed on 29 (another needed it) raised RuntimeError alone, and a
+# fixed, minimum or divisible count of 29 gave an error, 30 or 58.
+_MISSED_29 = np.array([21, 27, 43, 46, 45, 50, 27, 38, 45, 45, 43, 30, 47, 36, 22, 56, 39, 59, 38, 45, 40,
+                       37, 44, 26, 23, 59, 43, 42, 32, 44, 48, 45, 27, 35, 49, 24, 39, 54, 46, 33, 53, 44,
+                       55, 41, 34, 43, 56, 52, 31, 20, 55, 59, 42, 39, 23, 43, 52, 21, 24])
+
+
+def _squared(lens: np.ndarray) -> np.ndarray:
+    return lens.astype(np.float64) ** 2
+
+
+def test_a_count_above_the_fewest_always_cuts() -> None:
+    fewest = plan_micro_batches(_MISSED_29, max_tokens=88, cost=_squared)
+    assert fewest.num_micro_batches == 28
+    assert microbatch._plan_k(microbatch.make_units(_MISSED_29, _squared, None, False, "t"),
+                              29, 88, None, False) is None, "the packing search alone misses 29"
+    for kw in ({"num_micro_batches": 29}, {"min_micro_batches": 29}, {"divisible_by": 29}):
+        plan = plan_micro_batches(_MISSED_29, max_tokens=88, cost=_squared, **kw)
+        assert plan.num_micro_batches == 29, kw
+        _check(plan, _MISSED_29, 88)
+        assert plan.objective <= fewest.objective, "splitting a micro-batch lowers no other"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_split_up_keeps_every_budget(padded: bool) -> None:
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 60, 40)
+    groups = np.repeat(np.arange(20), 2) if padded else None
+    un = microbatch.make_units(lens, None, groups, padded, "t")
+    base = plan_micro_batches(lens, max_tokens=240, groups=groups, padded=padded)
+    labels = np.empty(un.tokens.size, np.int64)
+    owner = {int(i): j for j, m in enumerate(base.micro_batches) for i in m}
+    for u, members in enumerate(un.members):
+        labels[u] = owner[int(members[0])]
+    for k in range(base.num_micro_batches, un.tokens.size + 1, 3):
+        got = microbatch._split_up(un, labels, k, padded)
+        assert np.bincount(got).size == k and np.bincount(got).min() >= 1, "k non-empty micro-batches"
+        for j in range(k):  # each new micro-batch lies inside one old one: every budget kept
+            assert np.unique(labels[got == j]).size == 1
+        assert np.array_equal(got, labels) == (k == base.num_micro_batches)
+
+
+def _worker_missed_count(rank: int, world_size: int) -> tuple[int, int, bool]:
+    lens = _MISSED_29 if rank == 0 else np.full(29, 88)  # rank 1 needs 29 full micro-batches
+    plan = plan_micro_batches(lens, max_tokens=88, cost=_squared)
+    ok = all(int(lens[m].sum()) <= 88 for m in plan.micro_batches)
+    return plan.num_micro_batches, plan.local_min, ok
+
+
+def test_every_rank_cuts_the_agreed_count() -> None:
+    # Rank 0 raised RuntimeError alone and rank 1 went on (its next collective would hang).
+    assert run_workers(_worker_missed_count, 2) == [(29, 28, True), (29, 29, True)]
