@@ -269,7 +269,32 @@ def layout_problems(batch: Any, layout: WireLayout) -> list[str]:
         if s.itemsize not in OPAQUE:
             out.append(f"{section_name(s)}: {s.dtype} has {s.itemsize}-byte elements, expected one of "
                        f"{sorted(OPAQUE)} bytes")
+        kind = _not_plain(section_tensor(batch, s))
+        if kind:
+            out.append(f"{section_name(s)}: a {kind} tensor, expected a plain (strided) tensor "
+                       f"({_PLAIN_FIX.get(kind, 't.to_dense()')} gives one)")
+    names = ["seq_lens"] if layout.is_tokens else [f"{k.name}.lengths" for k in layout.kjts]
+    for name, t in zip(names, lengths_tensors(batch, layout), strict=True):
+        kind = _not_plain(t)
+        if kind:
+            out.append(f"{name}: a {kind} tensor, expected a plain (strided) tensor")
     return out
+
+
+_PLAIN_FIX = {"conjugate-view": "t.resolve_conj()", "negative-view": "t.resolve_neg()"}
+
+
+def _not_plain(t: torch.Tensor) -> str:
+    """What keeps ``t`` from travelling as bytes ('' for a plain strided tensor): a sparse
+    or other non-strided layout, or a lazy conjugate or negative view (phase 2 views
+    the memory as bytes, which none of them hold as their values)."""
+    if t.layout != torch.strided:
+        return str(t.layout).removeprefix("torch.")
+    if t.is_conj():
+        return "conjugate-view"
+    if t.is_neg():
+        return "negative-view"
+    return ""
 
 
 def scalar_problems(batch: Any) -> list[str]:

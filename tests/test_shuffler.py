@@ -649,6 +649,36 @@ def test_unsupported_dtype_is_rejected_in_phase_1() -> None:
             assert f"dense: torch.complex128 has 16-byte elements, expected one of [1, 2, 4, 8] bytes (rank {r})" in msg
 
 
+def _unplain_field_worker(rank: int, w: int) -> tuple[str, int]:
+    batch = make_batch(rank, 4, 4, seed=3)
+    bad = {0: batch.dense, 1: batch.dense.to_sparse()}[rank]  # rank 1 only: a sparse COO field
+    s = BatchShuffler(token_count, timeout=60)
+    try:
+        s.shuffle(dataclasses.replace(batch, dense=bad))
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    conj = dataclasses.replace(batch, dense=batch.dense.to(torch.complex64).conj())  # a lazy conjugate view
+    try:
+        s.shuffle(conj)
+    except ValueError as e:
+        msg += " | " + str(e)
+    return msg, s.shuffle(batch).actual_batch_size  # still usable
+
+
+def test_sparse_and_conjugate_view_fields_are_rejected_in_phase_1() -> None:
+    # They passed phase 1 (dtype and per-sample shape only) and failed in phase 2's
+    # pack: with one rank's field sparse, that rank blamed its peer and the peer
+    # waited out the shuffler's timeout; with every rank's, the shuffler closed.
+    for msg, real in run_workers(_unplain_field_worker, 2):
+        first, second = msg.split(" | ")
+        assert first.endswith("invalid shuffle input on rank(s) [1]: dense: a sparse_coo tensor, expected a "
+                              "plain (strided) tensor (t.to_dense() gives one) (rank 1)"), first
+        assert "dense: a conjugate-view tensor, expected a plain (strided) tensor (t.resolve_conj() gives one)" \
+            in second and "[0, 1]" in second
+        assert real == 4
+
+
 # ------------------------------------------------------------------ long run
 def test_many_shuffles_leak_no_thread_fd_child_or_memory() -> None:
     """400 shuffles with two handles in flight (benchmarks/bench_longrun.py runs 10,000)."""
