@@ -176,7 +176,8 @@ class ShufflerBase:
 
     def _local_job(self, meta: LocalMeta, comm: str) -> Outcome:
         """Background work of a shuffle that communicates nothing (W == 1, identity)."""
-        _, data = message(meta, meta.agreement(), NO_PREV)
+        # Bad input caught at capture first: its meta has no sizes to build a message from.
+        data = None if meta.status else message(meta, meta.agreement(), NO_PREV)[1]
         if meta.status or data is None:
             raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
                              f"rank(s) [0]: {meta.error}") from meta.cause

@@ -478,6 +478,23 @@ def test_without_process_group_and_identity() -> None:
         ident.start_shuffle_async(batch)
 
 
+def test_one_rank_bad_input_is_the_same_value_error() -> None:
+    # With one rank the local job built its message from bad input's empty
+    # sizes: IndexError from numpy, where two ranks raise this ValueError.
+    assert not dist.is_initialized()
+    zero = make_batch(0, 4, 4, seed=3)
+    zero.batch_size = 0  # set after construction
+    for s in (BatchShuffler(token_count, executor="thread"), IdentityBatchShuffler(token_count)):
+        name = type(s).__name__
+        with pytest.raises(ValueError, match=rf"^{name}: shuffle #0: invalid shuffle input on rank\(s\) \[0\]: "
+                                             r"batch is a NoneType, expected a BaseBatch or a TokenBatch \(rank 0\)$"):
+            s.shuffle(None)
+        with pytest.raises(ValueError, match=r"batch_size=0 \(int\), expected an int >= 1 \(rank 0\)$"):
+            s.shuffle(zero)
+        good = make_batch(0, 4, 4, seed=3)
+        assert s.shuffle(good) is good  # still usable
+
+
 def test_config_validation() -> None:
     for kwargs, text in (({"comm": "nccl"}, r"BatchShuffler: comm='nccl', expected one of \['all2all', 'allgather'\]"),
                          ({"log_interval": -1}, "log_interval=-1, expected an int >= 0"),
