@@ -449,7 +449,15 @@ class BatchShuffler(ShufflerBase):
                 # The default partition runs as in the planner process (fn=None), so
                 # both executors give the same plans and token_cap applies to both.
                 fn = None if self.partition is balanced_partition else self.partition
-                step = plan_step(**kwargs, fn=fn, localize=localize, lower_bound=lower_bound)
+                try:
+                    step = plan_step(**kwargs, fn=fn, localize=localize, lower_bound=lower_bound)
+                except Exception as e:
+                    if not self._verify:
+                        raise
+                    # A user's partition that raised on some ranks only: the others
+                    # would wait in the digest exchange until the timeout.
+                    self._check_plans(groups, meta.seq, None, e)
+                    raise AssertionError("_check_plans raises for a failed plan") from e
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
             self._prev[key] = (meta.seq, step.digest, -1 if members is None else int(members[0]))
@@ -551,11 +559,20 @@ class BatchShuffler(ShufflerBase):
         text, _ = describe_failure(verdict, headers, reports)
         raise ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}") from meta.cause
 
-    def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int) -> None:
-        rows = self._collective(groups, seq, "phase 1", _comm.gather_rows, np.array([seq, digest]), groups)
+    def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int | None,
+                     error: Exception | None = None) -> None:
+        """Every rank's plan digest, compared; raises on every rank where a user's
+        partition differed between ranks or raised (``error``, ``digest`` None) on any."""
+        mine = np.array([seq, 0 if digest is None else digest, int(digest is None)])
+        rows = self._collective(groups, seq, "phase 1", _comm.gather_rows, mine, groups)
+        name = getattr(self.partition, "__name__", repr(self.partition))
+        failed = np.flatnonzero(rows[:, 2]).tolist()
+        if failed:
+            what = f"{type(error).__name__}: {error}" if error is not None else "see that rank's error"
+            raise ValueError(f"BatchShuffler: shuffle #{seq}: partition={name} raised on rank(s) {failed} "
+                             f"({what}); nothing was moved (rank {groups.rank})") from error
         odd = [r for r in range(groups.world_size) if int(rows[r, 1]) != int(rows[0, 1])]
         if odd:
-            name = getattr(self.partition, "__name__", repr(self.partition))
             raise ValueError(
                 f"BatchShuffler: shuffle #{seq}: partition={name} returned different partitions on different "
                 f"ranks (rank(s) {odd} differ from rank 0); a partition function must be deterministic and "

@@ -696,6 +696,38 @@ def test_sparse_and_conjugate_view_fields_are_rejected_in_phase_1() -> None:
         assert real == 4
 
 
+def _partition_raises_worker(rank: int, w: int) -> tuple[str, int]:
+    calls = [0]
+
+    def flaky(workloads: list[float], num_parts: int) -> list[list[int]]:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1:
+            raise RuntimeError("no memory left on rank 1")
+        return greedy(workloads, num_parts)
+
+    s = BatchShuffler(token_count, partition=flaky, locality=False, timeout=60)
+    batch = make_batch(rank, 4, 4, seed=3)
+    try:
+        s.shuffle(batch)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    return msg, s.shuffle(batch).actual_batch_size + s.shuffle(batch).actual_batch_size
+
+
+def test_a_partition_raising_on_one_rank_raises_on_every_rank() -> None:
+    # The failing rank raised at once and skipped the plan-digest exchange; its
+    # peer waited out the shuffler's timeout, then blamed it as stalled or dead.
+    t0 = time.perf_counter()
+    (m0, n0), (m1, n1) = run_workers(_partition_raises_worker, 2)
+    assert time.perf_counter() - t0 < 30
+    assert m0 == ("BatchShuffler: shuffle #0: partition=flaky raised on rank(s) [1] (see that rank's error); "
+                  "nothing was moved (rank 0)")
+    assert m1 == ("BatchShuffler: shuffle #0: partition=flaky raised on rank(s) [1] (RuntimeError: no memory "
+                  "left on rank 1); nothing was moved (rank 1)")
+    assert n0 + n1 == 16, "both later shuffles move every sample"
+
+
 # ------------------------------------------------------------------ long run
 def test_many_shuffles_leak_no_thread_fd_child_or_memory() -> None:
     """400 shuffles with two handles in flight (benchmarks/bench_longrun.py runs 10,000)."""
