@@ -17,6 +17,10 @@ import torch
 
 from balancer._limits import DISPATCH_TOTAL, LENGTHS_TOTAL
 
+# Summed costs stay below this: the planners' bounds and ratios (sums, products by
+# counts) of costs near float64's largest value came out inf or nan.
+_COST_TOTAL = 1e300
+
 __all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", "row_cost"]
 
 
@@ -28,7 +32,7 @@ def as_lengths(lengths: Any, where: str) -> np.ndarray:
         raise ValueError(f"lengths has shape {tuple(arr.shape)}, expected 1-D [N] ({where})")
     if arr.size == 0:
         raise ValueError(f"lengths is empty, expected at least one sample ({where})")
-    if arr.dtype.kind not in "biuf":
+    if arr.dtype.kind not in "iuf":  # not bools: True is no token count
         raise ValueError(f"lengths has dtype {arr.dtype}, expected integer token counts ({where})")
     if arr.dtype.kind in "iu":
         # Checked as integers: float64 would round 2**53 + 1 and wrap 2**63 - 1.
@@ -81,10 +85,10 @@ def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
         _host_numpy(cost, "cost", where) if isinstance(cost, torch.Tensor) else cost)
     if out.shape != lengths.shape:
         raise ValueError(f"cost gives shape {tuple(out.shape)}, expected [{lengths.size}] ({where})")
-    if out.dtype.kind not in "biuf":
+    if out.dtype.kind not in "iuf":
         raise ValueError(f"cost has dtype {out.dtype}, expected numbers per sample, a function of length "
                          f"or None ({where})")
-    if out.dtype.kind not in "biu":
+    if out.dtype.kind == "f":
         out = out.astype(np.float64)
         bad = ~np.isfinite(out) | (out < 0)
         if bad.any():
@@ -96,6 +100,14 @@ def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
         # Integer costs this large would wrap when summed per group or per part
         # (and overflow the packers' int64 heaps): plan them as float64.
         out = out.astype(np.float64)
+    else:
+        # Sums per group, micro-batch or rank are taken in the array's dtype: a
+        # narrower one wraps (three uint8 costs of 100 summed to 44).
+        out = out.astype(np.int64)
+    total = float(out.sum(dtype=np.float64))
+    if not total < _COST_TOTAL:
+        raise ValueError(f"costs sum to {total:.6g}, expected below {_COST_TOTAL:.0e} (bounds and "
+                         f"imbalance ratios of larger ones overflow float64): scale them down ({where})")
     return out
 
 
@@ -121,8 +133,8 @@ def make_units(lengths: np.ndarray, cost: Any, groups: Any, padded: bool, where:
         members = [np.array([i]) for i in range(n)]
         inv = np.arange(n)
     else:
-        g = np.asarray(groups.numpy() if isinstance(groups, torch.Tensor) else groups)
-        if g.shape != (n,) or g.dtype.kind not in "biu":
+        g = np.asarray(_host_numpy(groups, "groups", where) if isinstance(groups, torch.Tensor) else groups)
+        if g.shape != (n,) or g.dtype.kind not in "iu":
             raise ValueError(f"groups has shape {g.shape} and dtype {g.dtype}, expected [{n}] ints ({where})")
         _, first, inv = np.unique(g, return_index=True, return_inverse=True)
         rank = np.argsort(np.argsort(first, kind="stable"), kind="stable")

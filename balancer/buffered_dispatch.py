@@ -39,7 +39,7 @@ __all__ = ["BufferedDispatcher", "DispatchRound"]
 
 _TOL = 1e-3  # scores within this of the best (or of perfect, 1.0) count as equally good
 _MAX_CELLS = 1 << 20  # scored (window, sample) pairs per round; starts are subsampled beyond
-
+_ID_LIMIT = 2**62  # |id| below this (BufferedDispatcher.put)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchRound:
@@ -144,11 +144,22 @@ class BufferedDispatcher:
         else:
             raw = np.asarray(ids)
             flat = raw.ravel()
-            whole = (np.isfinite(flat) & (flat == np.round(flat)) if raw.dtype.kind == "f"
-                     else np.full(flat.shape, raw.dtype.kind in "iu"))
+            # Integers within +-2**62: int64 holds them, and the running counter of
+            # default ids (one past the largest) cannot wrap. uint64 and floats beyond
+            # that were cast with wrap-around (2**64 - 1 became -1).
+            kind = raw.dtype.kind
+            if kind == "f":
+                whole = np.isfinite(flat) & (flat == np.round(flat)) & (np.abs(flat) < _ID_LIMIT)
+            elif kind == "u":
+                whole = flat < np.uint64(_ID_LIMIT)
+            elif kind == "i":
+                whole = (flat >= -_ID_LIMIT) & (flat < _ID_LIMIT)
+            else:
+                whole = np.zeros(flat.shape, bool)  # bools, strings, objects
             if not whole.all():
-                bad = int(np.argmin(whole))  # the first id that is not an integer
-                raise ValueError(f"ids[{bad}] = {flat[bad].item()!r}, expected an integer (BufferedDispatcher.put)")
+                bad = int(np.argmin(whole))  # the first id that is not such an integer
+                raise ValueError(f"ids[{bad}] = {flat[bad].item()!r}, expected an integer in [-2**62, 2**62) "
+                                 "(BufferedDispatcher.put)")
             new = raw.astype(np.int64)
             if new.shape != lens.shape:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")

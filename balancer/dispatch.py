@@ -250,6 +250,9 @@ def plan_dispatch(
         check_positive(name, val, where, allow_none=True)
     check_positive("min_micro_batches", min_micro_batches, where)
     check_positive("divisible_by", divisible_by, where)
+    for name, flag in (("equal_count", equal_count), ("padded", padded)):
+        if not isinstance(flag, bool):  # np.False_ was falsy in one check and `is not False` in another
+            raise ValueError(f"{name}={flag!r}, expected a Python bool ({where})")
     if padded and not equal_count:
         raise ValueError("padded=True deals whole micro-batches, the same number to every rank; "
                          f"equal_count=False is not supported with it ({where})")

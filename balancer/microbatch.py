@@ -352,13 +352,16 @@ def _capped_bound(un: Units, k: int, cap: int | None) -> float:
         return 0.0
     tok = un.tokens.astype(np.float64)
     cost = un.cost.astype(np.float64)
-    density = cost / np.maximum(tok, 1.0)
-    order = np.argsort(density, kind="stable")
+    # Fillers: units with tokens (one of none fills nothing, whatever it costs: a
+    # per-sample overhead counted as cheap tokens put the bound above the plan).
+    has = np.flatnonzero(tok > 0)
+    density = cost[has] / tok[has]
+    order = has[np.argsort(density, kind="stable")]
     cum_t = np.concatenate([[0.0], np.cumsum(tok[order])])
     cum_c = np.concatenate([[0.0], np.cumsum(cost[order])])
     rest = np.maximum(need - tok, 0.0)
-    j = np.clip(np.searchsorted(cum_t, rest, side="right") - 1, 0, tok.size - 1)
-    fill = cum_c[j] + (rest - cum_t[j]) * density[order][j]
+    j = np.clip(np.searchsorted(cum_t, rest, side="right") - 1, 0, order.size - 1)
+    fill = cum_c[j] + (rest - cum_t[j]) * (cost[order] / tok[order])[j]
     return float((cost + fill).max()) * (1.0 - 1e-12)
 
 
@@ -481,9 +484,11 @@ def plan_micro_batches(
         A :class:`MicroBatchPlan`.
 
     Raises:
-        ValueError: empty, non-1-D, negative, NaN or non-integer lengths; a
-            sample or group longer than ``max_tokens`` (named, with its
-            length and the budget); bad settings (non-positive ints,
+        ValueError: empty, non-1-D, negative, NaN, bool or non-integer lengths;
+            costs that are negative, not finite, bools or sum to ``1e300`` or
+            more; a sample or group longer than ``max_tokens`` (named, with its
+            length and the budget); bad settings (non-positive ints, flags
+            that are not Python bools,
             ``num_micro_batches`` not a multiple of ``divisible_by`` or below
             ``min_micro_batches``, ``micro_batch_size`` without ``padded``);
             more micro-batches needed than samples or groups; with the
@@ -504,6 +509,9 @@ def plan_micro_batches(
         check_positive("min_micro_batches", min_micro_batches, where)
         check_positive("divisible_by", divisible_by, where)
         check_positive("micro_batch_size", micro_batch_size, where, allow_none=True)
+        for name, flag in (("padded", padded), ("sync", sync)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r}, expected a Python bool ({where})")
         if micro_batch_size is not None and not padded:
             raise ValueError(f"micro_batch_size={micro_batch_size} bounds the rows of padded "
                              f"micro-batches; pass padded=True or use max_tokens ({where})")

@@ -82,6 +82,10 @@ class TokenBatch:
         s = self.seq_lens
         if not isinstance(s, torch.Tensor) or s.shape != (b,) or s.is_floating_point() or s.dtype == torch.bool:
             raise ValueError(f"seq_lens: {_describe(s)}, expected an integer tensor [batch_size={b}]")
+        for field in ("tokens", "samples"):
+            value = getattr(self, field)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"{field}: a {type(value).__name__}, expected a dict of name -> tensor")
         if not self.tokens:
             raise ValueError("tokens is empty, expected at least one per-token tensor")
         for name, t in self.tokens.items():

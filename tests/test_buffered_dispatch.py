@@ -97,6 +97,12 @@ def test_errors() -> None:
     disp.put([3, 4, 5], ids=[1, 2, 3])
     with pytest.raises(ValueError, match=r"ids\[0\] = 1.5, expected an integer"):
         disp.put([1], ids=[1.5])  # once truncated to 1, silently
+    # Beyond +-2**62 ids were cast with wrap-around (uint64 2**64 - 1 became -1), and an
+    # id of 2**63 - 1 made the next default ids overflow.
+    for bad, shown in ((np.array([2**64 - 1], np.uint64), "18446744073709551615"), ([2**63 - 1], "9223372036854775807"),
+                       (np.array([1e300]), "1e\\+300"), ([True], "True")):
+        with pytest.raises(ValueError, match=rf"ids\[0\] = {shown}, expected an integer in \[-2\*\*62, 2\*\*62\)"):
+            disp.put([1], ids=bad)
     with pytest.raises(ValueError, match=r"max_tokens=0, expected an int >= 1 \(BufferedDispatcher\)"):
         BufferedDispatcher(2, 2, max_tokens=0)
     with pytest.raises(ValueError, match=r"max_tokens=9223372036854775808, expected an int below 2\*\*63"):

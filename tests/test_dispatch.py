@@ -234,6 +234,9 @@ def test_host_only_no_torch_ops() -> None:
     # beyond int64: an OverflowError from numpy
     ([1, 2], 1, {"max_tokens": 2**63}, r"max_tokens=9223372036854775808, expected an int below 2\*\*63"),
     ([1, 2], 1, {"max_tokens": 2**63, "padded": True}, r"max_tokens=9223372036854775808, expected an int below"),
+    # np.False_ skipped the divisibility check but still partitioned into equal counts
+    ([10, 1, 1, 1], 2, {"equal_count": np.False_}, r"equal_count=np.False_, expected a Python bool \(controller\)"),
+    ([1, 2], 2, {"cost": np.array([True, True])}, r"cost has dtype bool, expected numbers per sample"),
 ])
 def test_errors(lengths: list, w: int, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -328,3 +331,11 @@ def test_a_share_that_needed_fewer_micro_batches_is_split_up() -> None:
     for rank, share in zip(plan.micro_batches, plan.ranks, strict=True):
         assert len(rank) == 29 and all(m and int(lens[m].sum()) <= 88 for m in rank)
         assert sorted(i for m in rank for i in m) == share
+
+
+def test_narrow_integer_costs_give_true_loads() -> None:
+    # Group sums in uint8 wrapped: loads [134, 180] reported for true [390, 180].
+    cost = np.array([100, 100, 100, 90, 90, 90], np.uint8)
+    plan = plan_dispatch([1] * 6, 2, cost=cost, groups=[0, 0, 0, 1, 2, 3], equal_count=False)
+    true = [float(sum(int(cost[i]) for i in r)) for r in plan.ranks]
+    assert plan.loads.tolist() == true and sorted(true) == [270.0, 300.0]

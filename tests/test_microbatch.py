@@ -282,6 +282,15 @@ def test_inputs_tensors_costs_and_restore() -> None:
     ([1, 2], {"cost": lambda x: -x}, r"cost of sample 0 is -1.0, expected a finite value >= 0"),
     ([1, 2], {"groups": [0]}, r"groups has shape \(1,\) and dtype int64, expected \[2\] ints"),
     ([1, 2], {"cost": ["a", "b"]}, r"cost has dtype <U1, expected numbers per sample"),
+    # bools were 0/1 tokens or costs (a bool cost crashed in numpy's subtract)
+    (np.array([True, False]), {}, r"lengths has dtype bool, expected integer token counts \(rank 0\)"),
+    ([1, 2], {"cost": np.array([True, False]), "max_tokens": 5}, r"cost has dtype bool, expected numbers"),
+    ([1, 2], {"padded": np.False_}, r"padded=np.False_, expected a Python bool \(rank 0\)"),
+    # near float64's largest value the bound came out inf and the gap -1
+    ([1, 2, 3, 4], {"cost": np.full(4, 1.7e308), "num_micro_batches": 2},
+     r"costs sum to inf, expected below 1e\+300 .*scale them down \(rank 0\)"),
+    ([1, 2], {"groups": torch.tensor([0, 0], device="meta")}, r"groups is on meta, expected a host array"),
+    ([1, 2], {"groups": np.array([True, False])}, r"groups has shape \(2,\) and dtype bool, expected \[2\] ints"),
 ])
 def test_errors(lengths: list, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -484,3 +493,27 @@ def _worker_missed_count(rank: int, world_size: int) -> tuple[int, int, bool]:
 def test_every_rank_cuts_the_agreed_count() -> None:
     # Rank 0 raised RuntimeError alone and rank 1 went on (its next collective would hang).
     assert run_workers(_worker_missed_count, 2) == [(29, 28, True), (29, 29, True)]
+
+
+def test_narrow_integer_costs_are_summed_in_int64() -> None:
+    # Per-group sums were taken in the array's dtype: three uint8 costs of 100 made 44.
+    lens = [1, 1, 1, 1, 1, 1]
+    groups = [0, 0, 0, 1, 2, 3]
+    for dtype in (np.uint8, np.int16, np.int32):
+        cost = np.array([100, 100, 100, 90, 90, 90], dtype)
+        plan = plan_micro_batches(lens, cost=cost, groups=groups, num_micro_batches=2)
+        assert sorted(plan.costs.tolist()) == [270.0, 300.0], dtype
+    big = np.full(6, 2_000_000_000, np.int32)  # summed in int32: wrapped
+    plan = plan_micro_batches(lens, cost=big, num_micro_batches=3)
+    assert plan.costs.tolist() == [4e9, 4e9, 4e9]
+
+
+def test_a_bound_never_above_the_plan_with_costly_empty_samples() -> None:
+    # A zero-token sample with a cost (a per-sample overhead) was counted as cheap
+    # filler tokens: bound 15 above the only plan's 13.
+    from balancer.workloads import PolynomialCost
+
+    for cost in (np.array([1.0, 2.0, 10.0]), PolynomialCost(["x"], b=1.0, c=100.0)):
+        plan = plan_micro_batches([1, 0, 1], max_tokens=2, cost=cost)
+        assert plan.num_micro_batches == 1 and plan.bound == pytest.approx(plan.objective, rel=1e-9)
+        assert plan.bound <= plan.objective
