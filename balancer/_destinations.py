@@ -53,7 +53,14 @@ def validate_partition(parts: Any, num_parts: int, batch_size: int) -> np.ndarra
     n = num_parts * batch_size
     if len(parts) != num_parts:
         raise ValueError(f"partition returned {len(parts)} parts, expected num_parts={num_parts}")
-    out = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+    out = []
+    for r, part in enumerate(parts):
+        raw = np.asarray(part)
+        if raw.size and raw.dtype.kind not in "iu":
+            # Casting would truncate 0.5 to 0 and read True as 1: a wrong partition
+            # that still looks like a permutation.
+            raise ValueError(f"partition part {r} has dtype {raw.dtype}, expected integer sample indices")
+        out.append(raw.astype(np.int64).reshape(-1))
     for r, p in enumerate(out):
         if p.size != batch_size:
             raise ValueError(f"partition part {r} has {p.size} indices, expected batch_size={batch_size}")

@@ -451,13 +451,14 @@ class BatchShuffler(ShufflerBase):
                 fn = None if self.partition is balanced_partition else self.partition
                 try:
                     step = plan_step(**kwargs, fn=fn, localize=localize, lower_bound=lower_bound)
-                except Exception as e:
+                except Exception:
                     if not self._verify:
                         raise
                     # A user's partition that raised on some ranks only: the others
-                    # would wait in the digest exchange until the timeout.
-                    self._check_plans(groups, meta.seq, None, e)
-                    raise AssertionError("_check_plans raises for a failed plan") from e
+                    # would wait in the digest exchange until the timeout. They learn
+                    # of it there (ValueError); this rank raises its own error.
+                    self._check_plans(groups, meta.seq, None)
+                    raise
                 if self._verify:
                     self._check_plans(groups, meta.seq, step.digest)
             self._prev[key] = (meta.seq, step.digest, -1 if members is None else int(members[0]))
@@ -559,18 +560,19 @@ class BatchShuffler(ShufflerBase):
         text, _ = describe_failure(verdict, headers, reports)
         raise ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}") from meta.cause
 
-    def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int | None,
-                     error: Exception | None = None) -> None:
-        """Every rank's plan digest, compared; raises on every rank where a user's
-        partition differed between ranks or raised (``error``, ``digest`` None) on any."""
+    def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int | None) -> None:
+        """Every rank's plan digest (``None``: the user's partition raised here), compared:
+        raises on a rank that planned where the partition differed between ranks or
+        raised on another; returns on a rank where it raised (which raises its own)."""
         mine = np.array([seq, 0 if digest is None else digest, int(digest is None)])
         rows = self._collective(groups, seq, "phase 1", _comm.gather_rows, mine, groups)
         name = getattr(self.partition, "__name__", repr(self.partition))
         failed = np.flatnonzero(rows[:, 2]).tolist()
+        if digest is None:
+            return
         if failed:
-            what = f"{type(error).__name__}: {error}" if error is not None else "see that rank's error"
             raise ValueError(f"BatchShuffler: shuffle #{seq}: partition={name} raised on rank(s) {failed} "
-                             f"({what}); nothing was moved (rank {groups.rank})") from error
+                             f"(see their errors); nothing was moved (rank {groups.rank})")
         odd = [r for r in range(groups.world_size) if int(rows[r, 1]) != int(rows[0, 1])]
         if odd:
             raise ValueError(

@@ -64,6 +64,12 @@ def test_validate_partition() -> None:
         validate_partition([[0, 1], [1, 3]], 2, 2)
     with pytest.raises(ValueError, match=r"expected \[0, 4\)"):
         validate_partition([[0, 1], [2, 4]], 2, 2)
+    # Cast to int64 these were read as [[0, 1], [2, 3]] and [[1, 0], [3, 2]]: a silent, wrong plan.
+    with pytest.raises(ValueError, match=r"part 0 has dtype float64, expected integer sample indices"):
+        validate_partition([[0.5, 1.5], [2.5, 3.5]], 2, 2)
+    with pytest.raises(ValueError, match=r"part 1 has dtype bool, expected integer sample indices"):
+        validate_partition([[1, 0], [True, False]], 2, 2)
+    assert validate_partition([np.array([3, 2], np.uint8), [1, 0]], 2, 2).tolist() == [[3, 2], [1, 0]]
     d = destinations(validate_partition([[3, 0], [1, 2]], 2, 2), 4)
     assert d.tolist() == [0, 1, 1, 0]
 
