@@ -58,10 +58,17 @@ class WrappedLoaderError(RuntimeError):
 
 @dataclasses.dataclass
 class Template:
-    """Per rank, from its first batch: the batch size and an all-padding batch."""
+    """Per rank and pass, from the pass's first batch: the batch size (unless
+    ``given``) and an all-padding batch."""
 
+    given: int | None = None
     batch_size: int | None = None
     padding: BaseBatch | TokenBatch | None = None
+
+    def reset(self) -> None:
+        """Forget what the last pass learned: a pass then behaves the same after
+        earlier passes as at the start of a resumed run."""
+        self.batch_size, self.padding = self.given, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +167,7 @@ def _carrier(template: Template) -> BaseBatch | TokenBatch:
 
 
 def _fit(batch: Any, template: Template, step: int) -> Any:
-    """``batch`` padded to the batch size; the first batch sets the template.
+    """``batch`` padded to the batch size; the pass's first batch sets the template.
     Another type goes to the shuffle as it is, which reports it on every rank.
 
     Raises:
@@ -175,7 +182,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
     if batch.batch_size > template.batch_size:
         raise WrappedLoaderError(
             f"the wrapped loader yielded a batch of batch_size={batch.batch_size} at step {step}, more than "
-            f"BalancedLoader's batch_size={template.batch_size} (given, or the first batch's); pass "
+            f"BalancedLoader's batch_size={template.batch_size} (given, or the pass's first batch's); pass "
             "batch_size >= the loader's largest batch")
     if batch.batch_size < template.batch_size:
         batch = _padded(batch, template.batch_size)
@@ -200,7 +207,8 @@ def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler,
             if world == 1 and exhausted and failure is None:
                 break  # the end of the pass (a pass with no batch at all fails, as on many ranks)
             if failure is not None:  # every rank raises it (this one too)
-                _report(shuffler, workloads, _carrier(template), failure, group)
+                run.items.put(Failed(_report(shuffler, workloads, _carrier(template), failure, group)))
+                break
             handle = shuffler.start_shuffle_async(batch, group)
             out = shuffler.finish_shuffle(batch, handle, group)
             if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
@@ -215,7 +223,7 @@ def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler,
 
 
 def _take(source: Iterator[Any], template: Template, exhausted: bool,
-          step: int) -> tuple[Any, bool, BaseException | None]:
+          step: int) -> tuple[Any, bool, WrappedLoaderError | None]:
     """This rank's input of ``step``: ``(batch, exhausted, failure)``; never raises
     (a failure is reported through the shuffle, so that every rank raises it)."""
     if not exhausted:
@@ -225,7 +233,11 @@ def _take(source: Iterator[Any], template: Template, exhausted: bool,
             exhausted = True
         except WrappedLoaderError as e:
             return None, False, e
-        except Exception as e:  # noqa: BLE001 - sent to every rank through the shuffle
+        except BaseException as e:  # noqa: BLE001 - sent to every rank through the shuffle
+            # Not only Exception: a rank that left on a KeyboardInterrupt or a
+            # CancelledError without taking part in this step's shuffle would
+            # leave its shuffle numbers one behind its peers', and its next
+            # pass would pair with their pending steps (mixing epochs, unseen).
             failure = WrappedLoaderError(f"the wrapped loader raised {type(e).__name__} at step {step}: {e}")
             failure.__cause__ = e
             return None, False, failure
@@ -236,16 +248,27 @@ def _take(source: Iterator[Any], template: Template, exhausted: bool,
     return _padding_like(template.padding), True, None
 
 
-def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch | TokenBatch, failure: BaseException,
-            group: Any) -> None:
+def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch | TokenBatch,
+            failure: WrappedLoaderError, group: Any) -> BaseException:
     """Take part in this step with ``failure``: every rank's shuffle raises a
-    ``ValueError`` naming it (here chained from it)."""
+    ``ValueError`` naming it (here chained from it).
+
+    Returns:
+        What this rank raises: that ``ValueError``; or the loader's own
+        exception when it is no ``Exception`` (``KeyboardInterrupt``,
+        ``SystemExit``, ``asyncio.CancelledError``): the peers learnt of it
+        through the shuffle, and here it must still interrupt, exit or cancel.
+    """
     workloads.report = failure
     try:
         shuffler.shuffle(carrier, group)
+        error: BaseException = failure  # only without peers (one rank): the shuffle did not raise
+    except BaseException as e:  # noqa: BLE001 - raised by the consumer's next()
+        error = e
     finally:
         workloads.report = None
-    raise failure  # only reached without peers (one rank): the shuffle did not raise
+    original = failure.__cause__
+    return original if original is not None and not isinstance(original, Exception) else error
 
 
 def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:

@@ -38,10 +38,11 @@ Every rank yields the same number of batches.
 Failures. Bad input on one rank (layout, batch size, workloads) raises the
 shuffler's ``ValueError`` on every rank; an exception of one rank's loader is
 sent through the shuffle too, so every rank raises the same ``ValueError``
-(naming the rank and the exception, chained from it on the failing rank). Each
-is raised by the next ``next()``, which then ends the epoch. A peer that stops
-taking part raises :class:`~balancer.errors.ShuffleAbortedError` after
-``timeout``.
+(naming the rank and the exception, chained from it on the failing rank; one
+that is no ``Exception``, such as ``KeyboardInterrupt``, is raised as itself
+there). Each is raised by the next ``next()``, which then ends the epoch. A
+peer that stops taking part raises :class:`~balancer.errors.ShuffleAbortedError`
+after ``timeout``.
 
 Resuming. :meth:`BalancedLoader.state_dict` records the epoch and how many
 batches the user consumed in it; a fresh loader given it by
@@ -111,8 +112,9 @@ class BalancedLoader(Generic[_B]):
         ahead: balanced batches kept ready in advance (>= 0). ``0``: each
             ``next()`` waits for its step's shuffle. The yields do not depend
             on it.
-        batch_size: samples per batch; ``None`` takes the first batch's
-            (pass it when a rank's first batch may be incomplete).
+        batch_size: samples per batch; ``None`` takes the first batch's of
+            each pass, learned anew in every pass (pass it when a rank's first
+            batch may be incomplete).
         pin_memory: pin every yielded batch (only when CUDA is available).
         comm, partition, locality, executor, timeout, log_interval, token_cap, group_size: the
             :class:`~balancer.shuffler.BatchShuffler` settings; ``timeout``
@@ -153,7 +155,7 @@ class BalancedLoader(Generic[_B]):
             ranks = dist.get_process_group_ranks(self._group)
             self._signal = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
                                           use_local_synchronization=True)
-        self._template = Template(batch_size=batch_size)
+        self._template = Template(given=batch_size)
         self._epoch = 0
         self._consumed = 0  # batches the user took from the current (or last) pass
         self._pass_epoch = 0  # the epoch of that pass (or of a loaded state)
@@ -174,16 +176,20 @@ class BalancedLoader(Generic[_B]):
             raise RuntimeError("BalancedLoader is closed")
         self._end_run()
         skip, self._skip = self._skip, 0
-        # The padding layout comes from this pass's batches only: a pass then
-        # behaves the same after earlier passes as at the start of a resumed run.
-        self._template.padding = None
+        # The batch size (unless given) and the padding layout come from this
+        # pass's batches only: a pass then behaves the same after earlier
+        # passes (one of another batch size, or one that failed) as at the
+        # start of a resumed run.
+        self._template.reset()
         run = Run(self._ahead)
         # iter() on the calling thread: a DataLoader starts its worker
         # processes here, as it would without the wrapper. If that fails, the
         # producer reports it through the first shuffle, so every rank raises.
+        # A KeyboardInterrupt or CancelledError too: raised here, this rank
+        # would skip the pass's first shuffle and fall one step behind its peers.
         try:
             source = iter(self._loader)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the first next()
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by the first next()
             source = _raising(e)
         args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
                 self._world, self._signal, self._pin)
@@ -221,7 +227,8 @@ class BalancedLoader(Generic[_B]):
 
     @property
     def batch_size(self) -> int | None:
-        """Samples per yielded batch (``None`` until given or seen in the first batch)."""
+        """Samples per yielded batch: the given ``batch_size``, or the current (or
+        last) pass's first batch's (``None`` until seen)."""
         return self._template.batch_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -290,7 +297,7 @@ class _BalancedIterator(Generic[_B]):
         return self._owner._next(self._run)
 
 
-def _raising(error: Exception) -> Iterator[Any]:
+def _raising(error: BaseException) -> Iterator[Any]:
     raise error
     yield  # a generator: raises at its first next()
 

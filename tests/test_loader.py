@@ -7,6 +7,7 @@ check that each arrives exactly once and intact.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import threading
@@ -120,7 +121,9 @@ COUNTS = [[3, 5, 2], [4, 1, 4]]  # batches per rank, per epoch
 def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
     src = Source(rank, [c[rank] for c in COUNTS])
     out: dict[str, Any] = {"epochs": [], "ahead": {}, "source": []}
-    with BalancedLoader(src, cost, ahead=2) as loader:
+    # Epoch 1 of rank 1 is one incomplete batch: its pass needs batch_size (the
+    # first batch's is learned per pass, as in a resumed run).
+    with BalancedLoader(src, cost, ahead=2, batch_size=B) as loader:
         for epoch in range(3):
             loader.set_epoch(epoch)
             got = [(check_batch(b), loader.stats) for b in loader]
@@ -140,7 +143,6 @@ def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
                 assert check_batch(y) == ids, (epoch, step)
                 assert (h.stats.load_before, h.stats.load_after) == (stats.load_before, stats.load_after)
             ref.close()
-    # Epoch 1 of rank 1 is one incomplete batch: a fresh loader needs batch_size.
     src.set_epoch(1)
     for ahead in (0, 1, 2):
         with BalancedLoader(src, cost, ahead=ahead, batch_size=B, **FAST) as loader:
@@ -339,6 +341,151 @@ def test_a_pass_without_a_batch_fails_in_one_process_as_on_many_ranks() -> None:
         assert (n, kind) == (0, "ValueError") and "the wrapped loader yielded no batch before step 0" in msg, msg
         loader.set_epoch(1)
         assert _outcome(loader)[:2] == (3, "ok")
+
+
+class _Interrupted(Source):
+    """``Source`` whose epoch 0 raises ``error`` (no ``Exception``) at step
+    ``at``, or in ``iter()`` with ``at=None``."""
+
+    def __init__(self, rank: int, error: BaseException | None, at: int | None) -> None:
+        super().__init__(rank, [3])
+        self.error, self.at = error, at
+
+    def __iter__(self) -> Iterator[IdBatch]:
+        if self.error is not None and self.epoch == 0 and self.at is None:
+            raise self.error
+        for step, b in enumerate(super().__iter__()):
+            if self.error is not None and self.epoch == 0 and step == self.at:
+                raise self.error
+            yield b
+
+
+INTERRUPTS: dict[str, tuple[BaseException, int | None, int]] = {  # error, step (None: iter()), ahead
+    "CancelledError": (asyncio.CancelledError("loader cancelled"), 1, 0),
+    "KeyboardInterrupt": (KeyboardInterrupt("stop"), 1, 2),
+    "SystemExit": (SystemExit(3), 2, 1),
+    "GeneratorExit": (GeneratorExit("closed"), 1, 0),
+    "KeyboardInterrupt in iter()": (KeyboardInterrupt("stop"), None, 2),
+}
+
+
+def _base_exception_worker(rank: int, w: int) -> dict[str, Any]:
+    out = {}
+    for name, (error, at, ahead) in INTERRUPTS.items():
+        src = _Interrupted(rank, error if rank == w - 1 else None, at)
+        with BalancedLoader(src, cost, ahead=ahead, timeout=10.0, **FAST) as loader:
+            n, first = 0, ("ok", "")
+            try:
+                for b in loader:
+                    check_batch(b)
+                    n += 1
+            except BaseException as e:  # noqa: BLE001 - compared across ranks
+                first = (type(e).__name__, str(e))
+            loader.set_epoch(1)
+            again = [check_batch(b) for b in loader]
+            out[name] = (n, first, again, real_ids(list(src)))
+    return out
+
+
+def test_a_base_exception_of_one_rank_s_loader_keeps_the_ranks_in_step() -> None:
+    # It once ended that rank's pass outside the step's shuffle: its shuffles
+    # fell one behind, and its next epoch's paired with the peers' pending
+    # ones (same numbers, same layout): the peers' epoch yielded another
+    # epoch's samples and that rank's were lost, with no error anywhere.
+    w = 3
+    outs = run_workers(_base_exception_worker, w, timeout=120)
+    for name, (_, at, _) in INTERRUPTS.items():
+        for rank, out in enumerate(outs):
+            n, (kind, msg), _, _ = out[name]
+            assert n == (at or 0), (name, rank, n)  # the batches before it
+            if rank == w - 1:  # raised as itself: an interrupt or exit is not swallowed
+                assert kind == name.split()[0], (name, kind, msg)
+            else:
+                assert kind == "ValueError" and f"the wrapped loader raised {name.split()[0]} at step " in msg, msg
+                assert "rank(s) [2]" in msg and msg == outs[0][name][1][1], (name, rank, msg)
+        # The next epoch: every rank in step, every sample of it exactly once.
+        assert {len(o[name][2]) for o in outs} == {3}, name
+        got = sorted(i for o in outs for ids in o[name][2] for i in ids)
+        assert got == sorted(i for o in outs for i in o[name][3]), name
+
+
+class _Sized:
+    """Rank ``rank``'s loader: in epoch ``e``, batches of ``sizes[min(e, len - 1)]`` samples."""
+
+    def __init__(self, rank: int, sizes: list[list[int]]) -> None:
+        self.rank, self.sizes, self.epoch = rank, sizes, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[IdBatch]:
+        for step, n in enumerate(self.sizes[min(self.epoch, len(self.sizes) - 1)]):
+            yield make(self.epoch, self.rank, step, n)
+
+
+SIZED = {  # per case, per rank: batch sizes per epoch (the last entry for every later epoch)
+    "smaller epoch 0": [[[3], [4, 4, 3]]] * 2,
+    "rank 1 starts incomplete": [[[4, 4], [4, 4, 3]], [[3, 4], [4, 4, 3]]],  # epoch 0: the layout error
+}
+
+
+def _sized_pass(loader: BalancedLoader[Any], epoch: int) -> tuple[str, list[Any], list[int], int | None]:
+    """Outcome of a pass (error text or "ok"), its (batch_size, rows) per batch, its real ids, ``batch_size`` after."""
+    loader.set_epoch(epoch)
+    got: list[Any] = []
+    ids: list[int] = []
+    try:
+        for b in loader:
+            got.append((b.batch_size, rows(b)))
+            ids += real_ids([b])
+        outcome = "ok"
+    except ValueError as e:
+        outcome = str(e)
+    return outcome, got, ids, loader.batch_size
+
+
+def _batch_size_per_pass_worker(rank: int, w: int) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for case, sizes in SIZED.items():
+        for given in (None, 3, 4):
+            src = _Sized(rank, sizes[rank])
+            with BalancedLoader(src, cost, batch_size=given, **FAST) as loader:
+                passes = [_sized_pass(loader, e) for e in range(3)]
+            with BalancedLoader(src, cost, batch_size=given, **FAST) as fresh:
+                fresh.load_state_dict({"epoch": 1, "consumed": 0})
+                resumed = _sized_pass(fresh, 1)
+            src.set_epoch(1)
+            out[case, given] = (passes, resumed, real_ids(list(src)))
+    return out
+
+
+def test_batch_size_is_learned_in_every_pass_unless_given() -> None:
+    # It was learned once, in the first pass: a later pass of larger batches
+    # (or one after a rank's incomplete first batch) failed on every rank, in
+    # every later pass, where a loader resumed into it ran fine.
+    outs = run_workers(_batch_size_per_pass_worker, 2, timeout=120)
+    bad_layout = "'batch_size': rank 0: '4'; rank 1: '3'"
+    too_large = "batch of batch_size=4 at step 0, more than BalancedLoader's batch_size=3"
+    for out in outs:
+        for (case, given), (passes, resumed, _) in out.items():
+            sizes = SIZED[case][0][0]  # rank 0's epoch 0
+            outcomes = [x[0] for x in passes]
+            if given == 3:  # a given batch_size stays: batches of 4 fail in every pass, resumed or not
+                assert all(too_large in o for o in [*outcomes[1:], resumed[0]]), (case, outcomes)
+                assert passes[2][3] == 3
+                continue
+            if case == "rank 1 starts incomplete" and given is None:  # the documented layout error
+                assert bad_layout in outcomes[0], outcomes
+            else:  # its own size, or padded to the given one
+                assert outcomes[0] == "ok" and {n for n, _ in passes[0][1]} == {given or sizes[0]}, outcomes
+            assert outcomes[1:] == ["ok", "ok"], (case, given, outcomes)
+            # A pass after others (a failed one too) yields what a loader resumed into it yields.
+            assert resumed[:2] == passes[1][:2], (case, given)
+            assert passes[1][3] == passes[2][3] == resumed[3] == 4 and {n for n, _ in passes[2][1]} == {4}
+    for case, given in outs[0]:
+        if given != 3:  # epoch 1: every sample exactly once
+            drawn = sorted(i for o in outs for i in o[case, given][2])
+            assert sorted(i for o in outs for i in o[case, given][0][1][2]) == drawn, (case, given)
 
 
 # ----------------------------------------------- threads, host reads
