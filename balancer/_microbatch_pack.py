@@ -5,12 +5,14 @@ Units are samples, or groups of samples that must stay together.
 * **Summed cost** (:func:`pack_sum`): a micro-batch costs the sum of its
   units' costs (packed sequences, variable-length attention). Minimise the
   slowest micro-batch subject to a hard token cap. Starts: LPT by cost under
-  the cap (``balancer/partition/_free.py``) and Karmarkar-Karp by cost (when
-  it fits the cap); if neither fits, a token-balanced partition (the best
-  packing check we have: it minimises the largest token sum), and when that
-  breaks the cap too, for up to ``_EXACT_UNITS`` units, an exhaustive search
-  for any packing (:func:`fit_tokens`). Each start is refined by cost without
-  breaking the cap; the best one is kept.
+  the cap (``balancer/partition/_free.py``'s, with full parts parked instead
+  of re-popped: :func:`_capped_lpt`) and Karmarkar-Karp by cost (when it
+  fits the cap; :func:`kk_labels`, on sparse states above 32 parts); if
+  neither fits, a token-balanced partition (the best packing check we have:
+  it minimises the largest token sum), and when that breaks the cap too, for
+  up to ``_EXACT_UNITS`` units, an exhaustive search for any packing
+  (:func:`fit_tokens`). Each start is refined by cost without breaking the
+  cap; the best one is kept.
 * **Padded cost** (:func:`segment_padded`): a micro-batch is padded to its
   longest unit, so it costs ``rows x cost(longest)`` and holds ``rows x
   longest`` tokens. The rank's time is the *sum* over its micro-batches. An
@@ -34,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from balancer._microbatch_kk import kk_labels
+from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign
+from balancer.partition._free_refine import rounds, steps
+from balancer.partition._free_state import FreeState
+from balancer.partition._refine import sort_order
+from balancer.partition._validate import check_sizes
 
 __all__ = ["first_fit_padded", "fit_tokens", "kk_labels", "max_ends", "min_segments", "pack_padded_groups",
            "pack_sum", "segment_padded"]
@@ -45,7 +53,6 @@ _DP_CELLS = 1 << 20  # exact dynamic program when U * U * k is at most this (~10
 # many units, visiting at most _EXACT_NODES partial packings (~0.5 s at most)
 _EXACT_UNITS = 24
 _EXACT_NODES = 200_000
-_KK_LIST_K = 32  # kk_labels: list states up to this many parts, arrays above
 
 
 def bins_bound(tokens: np.ndarray, cap: int) -> int:
@@ -89,6 +96,13 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
     it is what verl uses, so the result is never worse than verl's at the
     same ``k``), and, when neither fits, a token-balanced partition.
 
+    Two shortcuts return what the full search would: ``k == U`` has one cut,
+    every unit alone (labelled as LPT labels it); and when capped LPT's
+    slowest micro-batch costs no more than the costliest unit, which no cut
+    goes below, Karmarkar-Karp cannot beat it and is not run. Both matter for
+    budgets near the longest sample (one or two samples a micro-batch), where
+    each of the search's probes took seconds at N = 10,000.
+
     Args:
         cost: [U] per-unit cost (int64 or float64, >= 0).
         tokens: [U] int64 tokens per unit.
@@ -98,11 +112,20 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
     Returns:
         [U] int64 ids in ``[0, k)``, or ``None`` if no packing was found.
     """
+    u = cost.size
+    if k == u:  # LPT's cut: costliest unit first, each into the next empty part
+        if cap is not None and u and int(tokens.max()) > cap:
+            return None
+        labels = np.empty(u, np.int64)
+        labels[sort_order(cost)[::-1]] = np.arange(u)
+        return labels
     sizes = None if cap is None else tokens
     found = []
-    lpt = free_assign(cost, k, 1, sizes=sizes, cap=cap, rtol=0.0)
+    lpt = _capped_lpt(cost, k, tokens, cap) if cap is not None else free_assign(cost, k, 1, rtol=0.0)
     if lpt is not None:
         found.append(lpt)
+        if np.bincount(lpt, weights=cost, minlength=k).max() <= cost.max():
+            return lpt  # at the costliest unit: nothing beats it, and ties keep LPT
     kk = kk_labels(cost, k)
     if np.bincount(kk, minlength=k).min() >= 1 and (
             cap is None or np.bincount(kk, weights=tokens, minlength=k).max() <= cap):
@@ -118,6 +141,83 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
         found.append(_refined(cost, k, tokens, cap, by_tokens))
     tops = [np.bincount(f, weights=cost, minlength=k).max() for f in found]
     return found[int(np.argmin(tops))]
+
+
+def _capped_lpt(x: np.ndarray, w: int, sizes: np.ndarray, cap: int) -> np.ndarray | None:
+    """``free_assign(x, w, 1, sizes=sizes, cap=cap, rtol=0.0)``, the same result, faster.
+
+    Its LPT pops, for every item, each lighter part too full to take it and
+    pushes it back: with one or two samples a micro-batch the full ones are
+    the light ones, and N = 10,000 took 12.7 million pops per probe. Here a
+    part too full for an item is parked in a second heap, ordered by its
+    tokens, and comes back only once an item small enough for it is placed:
+    the lightest part with room is the same, each part is parked once per
+    item it receives (and per rise in item size), and the refinement after it
+    is :func:`free_assign`'s.
+    """
+    n = x.size
+    lo, hi = check_sizes(n, w, 1, None)
+    order = sort_order(x)
+    v = x[order]
+    st = FreeState(v, sizes[order], w)
+    if not _lpt_parked(st, lo, hi, cap):
+        return None
+    target: Any = bound_sorted(v, w, equal_size=False, min_size=lo, max_size=None)
+    if v.dtype.kind == "i":
+        target = int(target)
+    if st.loads.max() > target:  # else both refinements return at once (steps after splitting
+        rounds(st, target, lo, hi, cap, 16)  # every part's members: ~10 ms at k = 5,000)
+        steps(st, target, lo, hi, cap, 2 * w + 32)
+    out = np.empty(n, np.int64)
+    out[order] = st.part
+    return out
+
+
+def _lpt_parked(st: FreeState, lo: int, hi: int, cap: Any) -> bool:
+    """:meth:`FreeState.lpt` over every item, largest first, from empty parts; False if stuck."""
+    assert st.s is not None and st.toks is not None, "a capped LPT has sizes"
+    v, s, w = st.v.tolist(), st.s.tolist(), st.w
+    loads, counts, toks = st.loads.tolist(), st.counts.tolist(), st.toks.tolist()
+    n = len(v)
+    part = [-1] * n
+    missing = sum(max(0, lo - c) for c in counts)
+    remaining = n
+    heap = [(loads[j], j) for j in range(w) if counts[j] < hi]
+    heapq.heapify(heap)
+    parked: list[tuple[Any, Any, int]] = []  # (tokens, load, part): too full for the last item tried
+    needy = False
+    push, pop = heapq.heappush, heapq.heappop
+    for i in range(n - 1, -1, -1):
+        if not needy and lo and remaining <= missing:
+            # From here on every item must fill a part below min_size.
+            needy = True
+            heap = [(loads[j], j) for j in range(w) if counts[j] < lo]
+            heapq.heapify(heap)
+            parked = []
+        si = s[i]
+        while parked and parked[0][0] + si <= cap:
+            _, load, j = pop(parked)
+            push(heap, (load, j))
+        while heap:
+            load, j = pop(heap)
+            if toks[j] + si <= cap:
+                break
+            push(parked, (toks[j], load, j))
+        else:
+            return False
+        part[i] = j
+        loads[j] = load + v[i]
+        counts[j] += 1
+        toks[j] += si
+        missing -= counts[j] <= lo
+        remaining -= 1
+        if counts[j] < (lo if needy else hi):
+            push(heap, (loads[j], j))
+    st.part[:] = part
+    st.loads[:] = loads
+    st.counts[:] = counts
+    st.toks[:] = toks
+    return True
 
 
 def fit_tokens(tokens: np.ndarray, k: int, cap: int) -> np.ndarray | None:
@@ -181,22 +281,40 @@ def first_fit_padded(head: np.ndarray, rows: np.ndarray, cap: int | None, max_ro
     first micro-batch that stays within ``cap`` (rows x its first, longest
     unit) and ``max_rows``, or opens a new one. So every list is in that
     order too: longest first.
+
+    A micro-batch's length is set by its first unit, so it has room for
+    ``min(cap // length, max_rows) - rows`` more rows; a tree of the largest
+    room over index ranges finds the first with enough in ``O(log U)``
+    (scanning every open micro-batch for every unit took seconds at U = 5,000).
     """
-    order = np.lexsort((np.arange(head.size), -rows, -head)).tolist()
-    first: list[int] = []  # the longest length of each micro-batch
-    used: list[int] = []  # its rows
+    u = head.size
+    order = np.lexsort((np.arange(u), -rows, -head)).tolist()
+    big = int(rows.sum()) + 1  # more rows than any micro-batch can want
+    size = 1 << max(0, (u - 1).bit_length())
+    room = [-1] * (2 * size)  # leaves size..: room per micro-batch (-1: not open); above: max of children
     out: list[list[int]] = []
-    for u in order:
-        r, h = int(rows[u]), int(head[u])
-        for m, (h0, n0) in enumerate(zip(first, used, strict=True)):
-            if (cap is None or (n0 + r) * h0 <= cap) and (max_rows is None or n0 + r <= max_rows):
-                used[m] += r
-                out[m].append(u)
-                break
+    for unit, r, h in zip(order, rows[order].tolist(), head[order].tolist(), strict=True):
+        if room[1] >= r:
+            node = 1
+            while node < size:
+                node = 2 * node if room[2 * node] >= r else 2 * node + 1
+            m = node - size
+            out[m].append(unit)
+            left = room[node] - r
         else:
-            first.append(h)
-            used.append(r)
-            out.append([u])
+            m = len(out)
+            node = m + size
+            out.append([unit])
+            limit = big if cap is None or h == 0 else cap // h
+            left = min(limit, big if max_rows is None else max_rows) - r
+        room[node] = left
+        node //= 2
+        while node:
+            top = max(room[2 * node], room[2 * node + 1])
+            if room[node] == top:
+                break
+            room[node] = top
+            node //= 2
     return out
 
 
@@ -209,6 +327,9 @@ def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: i
     Splitting a micro-batch never costs more (each half's longest is at most
     the whole's), so first-fit's micro-batches are split, the split that saves
     most first (a micro-batch's shortest units moved out), until there are ``k``.
+    Each micro-batch's best split is kept in a heap (ties: the first
+    micro-batch, then the first position), so a split recomputes only its two
+    halves (rescanning every micro-batch for every split took 41 s at N = 10,000).
     Every micro-batch returned lists its units longest first (ties by index).
 
     Args:
@@ -223,24 +344,35 @@ def pack_padded_groups(head: np.ndarray, rows: np.ndarray, c: np.ndarray, cap: i
         cands.append([order[a:b].tolist() for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
     ffd = first_fit_padded(head, rows, cap, max_rows)
     if len(ffd) <= k:
+        heap: list[tuple[float, int, int]] = []
+
+        def push(m: int) -> None:
+            # Moving the units after position t out saves rows(after) x (c(first) - c(t)).
+            units = ffd[m]
+            if len(units) >= 2:
+                idx = np.asarray(units)
+                after = np.cumsum(rows[idx][::-1])[::-1][1:].astype(np.float64)
+                gain = after * (c[idx[0]] - c[idx[1:]])
+                t = int(np.argmax(gain))
+                heapq.heappush(heap, (-float(gain[t]), m, t + 1))
+
+        for m in range(len(ffd)):
+            push(m)
         while len(ffd) < k:
-            # The best single split: the units after position t of a micro-batch
-            # (longest first) move out, saving rows(after) x (c(first) - c(t)).
-            best: tuple[float, int, int] | None = None
-            for m, units in enumerate(ffd):  # longest first: a split keeps that order
-                for t in range(1, len(units)):
-                    gain = float(rows[units[t:]].sum()) * float(c[units[0]] - c[units[t]])
-                    if best is None or gain > best[0]:
-                        best = (gain, m, t)
-            assert best is not None, "k <= U leaves a micro-batch to split"
-            _, m, t = best
+            assert heap, "k <= U leaves a micro-batch to split"
+            _, m, t = heapq.heappop(heap)
             ffd.append(ffd[m][t:])
             ffd[m] = ffd[m][:t]
+            push(m)
+            push(len(ffd) - 1)
         cands.append(ffd)
     if not cands:
         return None
+
     def total(mbs: list[list[int]]) -> float:
-        return sum(float(rows[m].sum()) * float(c[m[0]]) for m in mbs)  # m[0]: the longest
+        firsts = np.array([m[0] for m in mbs])  # m[0]: the longest
+        sizes = np.add.reduceat(rows[np.concatenate(mbs)], np.cumsum([0] + [len(m) for m in mbs[:-1]]))
+        return sum((sizes.astype(np.float64) * c[firsts].astype(np.float64)).tolist())
 
     return min(cands, key=total)
 
@@ -250,92 +382,6 @@ def _refined(cost: np.ndarray, k: int, sizes: np.ndarray | None, cap: int | None
     out = free_assign(cost, k, 1, sizes=sizes, cap=cap, rtol=0.0, start=start)
     assert out is not None, "refining a feasible start keeps it feasible"
     return out
-
-
-def kk_labels(cost: np.ndarray, k: int, equal: bool = False) -> np.ndarray:
-    """Karmarkar-Karp into ``k`` parts: part id per unit.
-
-    States are ``k`` (sum, set) pairs sorted by sum; the two states with the
-    largest spreads merge largest-with-smallest. Free sizes start from one
-    state per unit; ``equal`` (``N`` divisible by ``k``) from rows of ``k``
-    consecutive sorted units, one per part, so every part gets ``N / k``
-    (verl's equal-size variant).
-
-    A set is a node id: a unit (``< N``), the union of two sets (a new id,
-    its children kept in two lists), or ``-1`` (empty), so a merge costs
-    ``O(k)`` whatever the sets hold; labels are read back from the final
-    state through the unions, newest first. Up to ``_KK_LIST_K`` parts a
-    state is two Python lists (a short merge is cheaper without numpy), above
-    it two arrays: the list version built ``N x k`` lists and took 2.7 s at
-    N = 2,000, k = 714, where the arrays take ~80 ms.
-    """
-    n = cost.size
-    if n == 0:
-        return np.zeros(0, np.int64)
-    merge = _kk_merge_lists if k <= _KK_LIST_K else _kk_merge_arrays
-    if equal:
-        nodes = np.argsort(cost, kind="stable").reshape(-1, k)[:, ::-1]  # rows of k, descending
-        sums = cost[nodes]
-        keys, ticks = (sums[:, -1] - sums[:, 0]).tolist(), range(0, n, k)
-    else:
-        sums = np.zeros((n, k), cost.dtype)
-        sums[:, 0] = cost
-        nodes = np.full((n, k), -1, np.int64)
-        nodes[:, 0] = np.arange(n)
-        keys, ticks = (-cost).tolist(), range(n)
-    states = (sums.tolist(), nodes.tolist()) if k <= _KK_LIST_K else (list(sums), list(nodes))
-    heap: list[tuple[Any, int, Any, Any]] = list(zip(keys, ticks, *states, strict=True))
-    heapq.heapify(heap)
-    left: list[int] = []  # children of union n + j
-    right: list[int] = []
-    tick = n
-    while len(heap) > 1:
-        _, _, sa, na = heapq.heappop(heap)
-        _, _, sb, nb = heapq.heappop(heap)
-        sums, nodes = merge(sa, na, sb, nb, n, left, right)
-        heapq.heappush(heap, (sums[-1] - sums[0], tick, sums, nodes))
-        tick += 1
-    label = [-1] * (n + len(left))
-    for j, v in enumerate(np.asarray(heap[0][3]).tolist()):
-        if v >= 0:
-            label[v] = j
-    for v in range(len(left) - 1, -1, -1):
-        label[left[v]] = label[right[v]] = label[n + v]
-    return np.asarray(label[:n], np.int64)
-
-
-def _kk_merge_lists(sa: list[Any], na: list[int], sb: list[Any], nb: list[int], n: int,
-                    left: list[int], right: list[int]) -> tuple[Any, Any]:
-    """One KK merge of list states: part ``j`` of one with part ``k-1-j`` of the other."""
-    k = len(sa)
-    pairs = []
-    for j in range(k):
-        a, b = na[j], nb[k - 1 - j]
-        if a >= 0 and b >= 0:
-            left.append(a)
-            right.append(b)
-            a = n + len(left) - 1
-        elif a < 0:
-            a = b
-        pairs.append((sa[j] + sb[k - 1 - j], a))
-    pairs.sort(key=lambda t: -t[0])  # stable: ties keep their part order
-    return [t[0] for t in pairs], [t[1] for t in pairs]
-
-
-def _kk_merge_arrays(sa: np.ndarray, na: np.ndarray, sb: np.ndarray, nb: np.ndarray, n: int,
-                     left: list[int], right: list[int]) -> tuple[Any, Any]:
-    """:func:`_kk_merge_lists` on arrays (the same result)."""
-    sums, rb = sa + sb[::-1], nb[::-1]
-    both = (na >= 0) & (rb >= 0)
-    nodes = np.where(na >= 0, na, rb)
-    m = int(both.sum())
-    if m:
-        nodes[both] = np.arange(n + len(left), n + len(left) + m)
-        left.extend(na[both].tolist())
-        right.extend(rb[both].tolist())
-    order = np.argsort(-sums, kind="stable")
-    sums = sums[order]
-    return sums, nodes[order]
 
 
 def max_ends(head: np.ndarray, rows: np.ndarray, cap: int | None, max_rows: int | None) -> np.ndarray:

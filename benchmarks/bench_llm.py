@@ -21,6 +21,7 @@ Prints six tables side by side and writes one JSON line per measurement
    micro-batch over its bound, time;
    2b. the same with budgets of one to three samples (hundreds of
    micro-batches): planning time;
+   2c. planning time at N = 10,000 on the shapes that once took seconds;
 3. padded micro-batches (torchspec: ``mbs`` rows padded to the longest):
    round-robin and greedy dispatch against ``plan_dispatch(padded=True)``:
    slowest rank over the ideal (no padding, perfect balance) and padding waste;
@@ -201,6 +202,40 @@ def many(sizes: list[int], emit: Callable[..., None]) -> None:
                 print(f"| {n} | {name} | {cap} | {method} | {k} | {fill:.3f} | {1e3 * sec:.0f} |", flush=True)
 
 
+def scale(n: int, emit: Callable[..., None]) -> None:
+    """Shapes that took seconds per call at N = 10,000 (budgets at the longest sample,
+    a count equal to N, padded pairs cut into thousands of micro-batches): CPU time of
+    one call, on Qwen2-0.5B's cost (a user may plan every training step)."""
+    qwen = TransformerCost.from_hf_config({
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936})
+    uniform = np.random.default_rng(1).integers(1, 8192, n)
+    zipf = np.minimum(np.random.default_rng(2).zipf(1.2, n) + 100, 8192)
+    short = np.random.default_rng(0).integers(1, 4096, n)
+    pairs = np.repeat(np.arange(n // 2), 2)
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("uniform [1, 8192), budget 8191", lambda: plan_micro_batches(uniform, max_tokens=8191, cost=qwen)),
+        ("zipf + 100, budget 8192", lambda: plan_micro_batches(zipf, max_tokens=8192, cost=qwen)),
+        ("zeros, N micro-batches", lambda: plan_micro_batches(np.zeros(n, np.int64), num_micro_batches=n)),
+        ("all 4096, budget 4096", lambda: plan_micro_batches(np.full(n, 4096), max_tokens=4096, cost=qwen)),
+        ("padded pairs, N/2 micro-batches", lambda: plan_micro_batches(
+            short, padded=True, groups=pairs, num_micro_batches=n // 2, cost=qwen)),
+        ("padded pairs, N/4 micro-batches", lambda: plan_micro_batches(
+            short, padded=True, groups=pairs, num_micro_batches=n // 4, cost=qwen)),
+        ("dispatch W=4, padded pairs, N/8 a rank", lambda: plan_dispatch(
+            short, 4, padded=True, groups=pairs, num_micro_batches=n // 8)),
+    ]
+    print(f"\n## 2c. Planning time at N = {n} (CPU seconds per call)\n")
+    print("| shape | micro-batches | s |")
+    print("|---|---|---|")
+    for name, fn in cases:
+        t = time.process_time()
+        plan = fn()
+        sec = time.process_time() - t
+        emit(kind="scale", N=n, shape=name, micro_batches=plan.num_micro_batches, time_s=sec)
+        print(f"| {name} | {plan.num_micro_batches} | {sec:.2f} |", flush=True)
+
+
 # ----------------------------------------------------------------- 3. padded
 def padded(configs: list[tuple[int, int, int]], seeds: int, top: int, emit: Callable[..., None]) -> None:
     print("\n## 3. Padded micro-batches (mbs rows, padded to the longest): slowest rank / ideal - 1 "
@@ -375,6 +410,7 @@ def main() -> None:
              seeds, top, emit)
     micro([64] if args.quick else [64, 256], seeds, top, emit)
     many([500] if args.quick else [500, 2000], emit)
+    scale(2000 if args.quick else 10_000, emit)
     padded([(8, 16, 4)] if args.quick else [(8, 16, 4), (8, 64, 8), (32, 32, 4)], seeds, top, emit)
     buffered(6 if args.quick else 30, emit, top)
     if not args.no_e2e:
