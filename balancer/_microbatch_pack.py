@@ -5,8 +5,7 @@ Units are samples, or groups of samples that must stay together.
 * **Summed cost** (:func:`pack_sum`): a micro-batch costs the sum of its
   units' costs (packed sequences, variable-length attention). Minimise the
   slowest micro-batch subject to a hard token cap. Starts: LPT by cost under
-  the cap (``balancer/partition/_free.py``'s, with full parts parked instead
-  of re-popped: :func:`_capped_lpt`) and Karmarkar-Karp by cost (when it
+  the cap (``balancer/partition/_free.py``) and Karmarkar-Karp by cost (when it
   fits the cap; :func:`kk_labels`, on sparse states above 32 parts); if
   neither fits, a token-balanced partition (the best packing check we have:
   it minimises the largest token sum), and when that breaks the cap too, for
@@ -32,17 +31,12 @@ Units are samples, or groups of samples that must stay together.
 from __future__ import annotations
 
 import heapq
-from typing import Any
 
 import numpy as np
 
 from balancer._microbatch_kk import kk_labels
-from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign
-from balancer.partition._free_refine import rounds, steps
-from balancer.partition._free_state import FreeState
 from balancer.partition._refine import sort_order
-from balancer.partition._validate import check_sizes
 
 __all__ = ["first_fit_padded", "fit_tokens", "kk_labels", "max_ends", "min_segments", "pack_padded_groups",
            "pack_sum", "segment_padded"]
@@ -121,7 +115,7 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
         return labels
     sizes = None if cap is None else tokens
     found = []
-    lpt = _capped_lpt(cost, k, tokens, cap) if cap is not None else free_assign(cost, k, 1, rtol=0.0)
+    lpt = free_assign(cost, k, 1, sizes=sizes, cap=cap, rtol=0.0)
     if lpt is not None:
         found.append(lpt)
         if np.bincount(lpt, weights=cost, minlength=k).max() <= cost.max():
@@ -141,83 +135,6 @@ def pack_sum(cost: np.ndarray, tokens: np.ndarray, k: int, cap: int | None) -> n
         found.append(_refined(cost, k, tokens, cap, by_tokens))
     tops = [np.bincount(f, weights=cost, minlength=k).max() for f in found]
     return found[int(np.argmin(tops))]
-
-
-def _capped_lpt(x: np.ndarray, w: int, sizes: np.ndarray, cap: int) -> np.ndarray | None:
-    """``free_assign(x, w, 1, sizes=sizes, cap=cap, rtol=0.0)``, the same result, faster.
-
-    Its LPT pops, for every item, each lighter part too full to take it and
-    pushes it back: with one or two samples a micro-batch the full ones are
-    the light ones, and N = 10,000 took 12.7 million pops per probe. Here a
-    part too full for an item is parked in a second heap, ordered by its
-    tokens, and comes back only once an item small enough for it is placed:
-    the lightest part with room is the same, each part is parked once per
-    item it receives (and per rise in item size), and the refinement after it
-    is :func:`free_assign`'s.
-    """
-    n = x.size
-    lo, hi = check_sizes(n, w, 1, None)
-    order = sort_order(x)
-    v = x[order]
-    st = FreeState(v, sizes[order], w)
-    if not _lpt_parked(st, lo, hi, cap):
-        return None
-    target: Any = bound_sorted(v, w, equal_size=False, min_size=lo, max_size=None)
-    if v.dtype.kind == "i":
-        target = int(target)
-    if st.loads.max() > target:  # else both refinements return at once (steps after splitting
-        rounds(st, target, lo, hi, cap, 16)  # every part's members: ~10 ms at k = 5,000)
-        steps(st, target, lo, hi, cap, 2 * w + 32)
-    out = np.empty(n, np.int64)
-    out[order] = st.part
-    return out
-
-
-def _lpt_parked(st: FreeState, lo: int, hi: int, cap: Any) -> bool:
-    """:meth:`FreeState.lpt` over every item, largest first, from empty parts; False if stuck."""
-    assert st.s is not None and st.toks is not None, "a capped LPT has sizes"
-    v, s, w = st.v.tolist(), st.s.tolist(), st.w
-    loads, counts, toks = st.loads.tolist(), st.counts.tolist(), st.toks.tolist()
-    n = len(v)
-    part = [-1] * n
-    missing = sum(max(0, lo - c) for c in counts)
-    remaining = n
-    heap = [(loads[j], j) for j in range(w) if counts[j] < hi]
-    heapq.heapify(heap)
-    parked: list[tuple[Any, Any, int]] = []  # (tokens, load, part): too full for the last item tried
-    needy = False
-    push, pop = heapq.heappush, heapq.heappop
-    for i in range(n - 1, -1, -1):
-        if not needy and lo and remaining <= missing:
-            # From here on every item must fill a part below min_size.
-            needy = True
-            heap = [(loads[j], j) for j in range(w) if counts[j] < lo]
-            heapq.heapify(heap)
-            parked = []
-        si = s[i]
-        while parked and parked[0][0] + si <= cap:
-            _, load, j = pop(parked)
-            push(heap, (load, j))
-        while heap:
-            load, j = pop(heap)
-            if toks[j] + si <= cap:
-                break
-            push(parked, (toks[j], load, j))
-        else:
-            return False
-        part[i] = j
-        loads[j] = load + v[i]
-        counts[j] += 1
-        toks[j] += si
-        missing -= counts[j] <= lo
-        remaining -= 1
-        if counts[j] < (lo if needy else hi):
-            push(heap, (loads[j], j))
-    st.part[:] = part
-    st.loads[:] = loads
-    st.counts[:] = counts
-    st.toks[:] = toks
-    return True
 
 
 def fit_tokens(tokens: np.ndarray, k: int, cap: int) -> np.ndarray | None:

