@@ -21,7 +21,7 @@ from balancer._limits import DISPATCH_TOTAL, LENGTHS_TOTAL
 # counts) of costs near float64's largest value came out inf or nan.
 _COST_TOTAL = 1e300
 
-__all__ = ["Units", "as_lengths", "check_fits", "check_positive", "make_units", "row_cost"]
+__all__ = ["Units", "as_lengths", "check_fits", "check_flag", "check_positive", "make_units", "row_cost"]
 
 
 def as_lengths(lengths: Any, where: str) -> np.ndarray:
@@ -165,6 +165,12 @@ def check_fits(un: Units, cap: int | None, mbs: int | None, padded: bool, where:
             unit = "tokens" if name == "max_tokens" else "rows"
             raise ValueError(f"{who} needs {detail}{int(what[u])} {unit}, more than {name}={limit}; "
                              f"it must fit in one micro-batch ({where})")
+
+
+def check_flag(name: str, value: Any, where: str) -> None:
+    """A Python bool (np.False_ was falsy in one check and ``is not False`` in another)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}, expected a Python bool ({where})")
 
 
 def check_positive(name: str, value: Any, where: str, allow_none: bool = False) -> None:

@@ -41,6 +41,7 @@ _TOL = 1e-3  # scores within this of the best (or of perfect, 1.0) count as equa
 _MAX_CELLS = 1 << 20  # scored (window, sample) pairs per round; starts are subsampled beyond
 _ID_LIMIT = 2**62  # |id| below this (BufferedDispatcher.put)
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchRound:
     """One round: which samples go to which rank."""

@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from balancer._limits import DISPATCH_TOTAL
-from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
+from balancer._llm_units import (
+    Units,
+    as_lengths,
+    check_fits,
+    check_flag,
+    check_positive,
+    make_units,
+)
 from balancer._microbatch_pack import (
     bins_bound,
     first_fit_padded,
@@ -250,9 +257,8 @@ def plan_dispatch(
         check_positive(name, val, where, allow_none=True)
     check_positive("min_micro_batches", min_micro_batches, where)
     check_positive("divisible_by", divisible_by, where)
-    for name, flag in (("equal_count", equal_count), ("padded", padded)):
-        if not isinstance(flag, bool):  # np.False_ was falsy in one check and `is not False` in another
-            raise ValueError(f"{name}={flag!r}, expected a Python bool ({where})")
+    check_flag("equal_count", equal_count, where)
+    check_flag("padded", padded, where)
     if padded and not equal_count:
         raise ValueError("padded=True deals whole micro-batches, the same number to every rank; "
                          f"equal_count=False is not supported with it ({where})")

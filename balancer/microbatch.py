@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from balancer._llm_units import Units, as_lengths, check_fits, check_positive, make_units
+from balancer._llm_units import (
+    Units,
+    as_lengths,
+    check_fits,
+    check_flag,
+    check_positive,
+    make_units,
+)
 from balancer._microbatch_pack import (
     bins_bound,
     first_fit_padded,
@@ -232,10 +239,11 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
                 return num, bound, {}
             raise ValueError(f"num_micro_batches={num} but only {u} {units}: a micro-batch would "
                              f"be empty ({where})")
-        cut = _plan_k(un, num, cap, mbs, padded)
+        probes: dict[int, Any] = {}  # k -> cut or None: each count is packed at most once
+        cut = _probe(un, num, cap, mbs, padded, probes)
         if cut is None:
             # The search may miss a packing at ``num`` that the fewest cut, split up, gives.
-            few = _fewest(un, cap, mbs, padded, fewest, u)
+            few = _fewest(un, cap, mbs, padded, fewest, u, probes)
             if few is not None and few[0] <= num:
                 cut = _split_up(un, few[1], num, padded)
         if cut is None:
@@ -253,11 +261,12 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
     if cap is not None and not padded:
         fewest = max(fewest, bins_bound(un.tokens, cap))  # no cut fits in fewer: no probe below it
     first = -(-max(lo, fewest) // div) * div
-    found = _search(un, cap, mbs, padded, first, div, u)
+    probes = {}
+    found = _search(un, cap, mbs, padded, first, div, u, probes)
     if found is not None and found[0] > first and (lo > fewest or div > 1):
         # Probes at allowed counts missed: the fewest cut of all, split up to the
         # first allowed count above it, may beat the constrained search's count.
-        few = _fewest(un, cap, mbs, padded, fewest, u)
+        few = _fewest(un, cap, mbs, padded, fewest, u, probes)
         if few is not None:
             k = -(-max(lo, few[0]) // div) * div
             if k < found[0]:
@@ -275,14 +284,21 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
 
 
 def _fewest(un: Units, cap: int | None, mbs: int | None, padded: bool, fewest: int,
-            u: int) -> tuple[int, Any] | None:
+            u: int, probes: dict[int, Any]) -> tuple[int, Any] | None:
     """The fewest micro-batches the packing finds (no ``min_micro_batches`` or
     ``divisible_by``), with its cut; ``None`` if none up to ``u`` packs."""
-    return _search(un, cap, mbs, padded, max(1, fewest), 1, u)
+    return _search(un, cap, mbs, padded, max(1, fewest), 1, u, probes)
+
+
+def _probe(un: Units, k: int, cap: int | None, mbs: int | None, padded: bool, probes: dict[int, Any]) -> Any:
+    """:func:`_plan_k`, remembered in ``probes`` (a second search reuses the first's)."""
+    if k not in probes:
+        probes[k] = _plan_k(un, k, cap, mbs, padded)
+    return probes[k]
 
 
 def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: int, div: int,
-            u: int) -> tuple[int, Any] | None:
+            u: int, probes: dict[int, Any]) -> tuple[int, Any] | None:
     """The fewest multiple of ``div`` from ``first`` up to ``u`` that packs, with its cut,
     or ``None``: probe ``first``, then gallop (div, 2 div, 4 div, ... above it)
     to a count that packs and bisect back. A probe is a whole packing search,
@@ -296,7 +312,7 @@ def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: in
             if top <= fail or top < first:
                 return None
             k = top
-        cut = _plan_k(un, k, cap, mbs, padded)
+        cut = _probe(un, k, cap, mbs, padded, probes)
         if cut is not None:
             found = (k, cut)
         else:
@@ -304,7 +320,7 @@ def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: in
     good, cut = found
     while fail and good - fail > div:  # bisect between the last miss and the first fit
         mid = fail + (good - fail) // div // 2 * div
-        c = _plan_k(un, mid, cap, mbs, padded)
+        c = _probe(un, mid, cap, mbs, padded, probes)
         if c is not None:
             good, cut = mid, c
         else:
@@ -509,9 +525,8 @@ def plan_micro_batches(
         check_positive("min_micro_batches", min_micro_batches, where)
         check_positive("divisible_by", divisible_by, where)
         check_positive("micro_batch_size", micro_batch_size, where, allow_none=True)
-        for name, flag in (("padded", padded), ("sync", sync)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name}={flag!r}, expected a Python bool ({where})")
+        check_flag("padded", padded, where)
+        check_flag("sync", sync, where)
         if micro_batch_size is not None and not padded:
             raise ValueError(f"micro_batch_size={micro_batch_size} bounds the rows of padded "
                              f"micro-batches; pass padded=True or use max_tokens ({where})")

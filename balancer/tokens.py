@@ -84,8 +84,12 @@ class TokenBatch:
             raise ValueError(f"seq_lens: {_describe(s)}, expected an integer tensor [batch_size={b}]")
         for field in ("tokens", "samples"):
             value = getattr(self, field)
-            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            if not isinstance(value, dict):
                 raise ValueError(f"{field}: a {type(value).__name__}, expected a dict of name -> tensor")
+            bad = [k for k in value if not isinstance(k, str)]
+            if bad:
+                key = bad[0]
+                raise ValueError(f"{field}: key {key!r} ({type(key).__name__}), expected str names")
         if not self.tokens:
             raise ValueError("tokens is empty, expected at least one per-token tensor")
         for name, t in self.tokens.items():

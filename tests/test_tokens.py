@@ -75,6 +75,7 @@ def test_token_batch_validates_shapes() -> None:
         # a list was an AttributeError ('list' object has no attribute 'items')
         ({"tokens": [torch.zeros(4, 5)]}, r"tokens: a list, expected a dict of name -> tensor"),
         ({"samples": [torch.zeros(4)]}, r"samples: a list, expected a dict of name -> tensor"),
+        ({"tokens": {0: torch.zeros(4, 5)}}, r"tokens: key 0 \(int\), expected str names"),
         ({"tokens": {"a": torch.zeros(4, 5), "b": torch.zeros(4, 6)}}, "different leading shapes"),
         ({"tokens": {"a": torch.zeros(3, 5)}}, r"tokens\['a'\]: shape \(3, 5\).*expected \[batch_size=4, L, ...\]"),
         ({"samples": {"r": torch.zeros(5)}}, r"samples\['r'\]: shape \(5,\).*expected \[batch_size=4, ...\]"),
