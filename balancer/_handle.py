@@ -23,7 +23,7 @@ import torch.distributed as dist
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors
 from balancer._layout import WireLayout
-from balancer._protocol import NO_PREV, LocalMeta, message
+from balancer._protocol import NO_PREV, LocalMeta, message, reraise
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer.batch import BaseBatch
 from balancer.tokens import TokenBatch
@@ -179,8 +179,8 @@ class ShufflerBase:
         # Bad input caught at capture first: its meta has no sizes to build a message from.
         data = None if meta.status else message(meta, meta.agreement(), NO_PREV)[1]
         if meta.status or data is None:
-            raise ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
-                             f"rank(s) [0]: {meta.error}") from meta.cause
+            reraise(meta, ValueError(f"{type(self).__name__}: shuffle #{meta.seq}: invalid shuffle input on "
+                                     f"rank(s) [0]: {meta.error}"))
         assert meta.host is not None, "a valid capture has data"
         b = meta.batch_size
         workloads = data.workloads

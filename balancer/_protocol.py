@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -116,6 +116,17 @@ def _fail(meta: LocalMeta, status: int, text: str, cause: BaseException | None =
     return meta
 
 
+def reraise(meta: LocalMeta, error: Exception) -> NoReturn:
+    """Raise ``error`` (what every rank raises for a failed shuffle) on the rank whose
+    capture failed with ``meta.cause``: chained from it, or the cause itself where it
+    is no ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``CancelledError``:
+    the peers learnt of it through phase 1; here it must still interrupt or exit)."""
+    cause = meta.cause
+    if cause is not None and not isinstance(cause, Exception):
+        raise cause
+    raise error from cause
+
+
 def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:
     """[K_total, B] int64 lengths (every KJT key, or ``seq_lens``), stacked (device ops only)."""
     rows = [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
@@ -139,7 +150,7 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     """
     try:
         return _capture(batch, workload_fn, LocalMeta(seq, rank, config), base_type)
-    except Exception as e:  # reported on every rank, re-raised here as the cause
+    except BaseException as e:  # noqa: BLE001 - reported on every rank, re-raised here (see reraise)
         return _fail(LocalMeta(seq, rank, config), Status.BAD_INPUT,
                      f"the batch could not be read: {type(e).__name__}: {e} (rank {rank})", e)
 
@@ -175,7 +186,9 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
     else:
         try:
             w = torch.as_tensor(workload_fn(batch))
-        except Exception as e:  # reported on every rank, re-raised here as the cause
+        except BaseException as e:  # noqa: BLE001 - reported on every rank, re-raised here (see reraise)
+            # Not only Exception: a KeyboardInterrupt in one rank's workload_fn
+            # left its peers in phase 1 until the shuffler timeout.
             return _fail(meta, Status.BAD_INPUT, f"workload_fn raised {type(e).__name__}: {e} (rank {rank})", e)
         if w.dim() != 1 or w.numel() != b or w.is_complex() or w.dtype == torch.bool:
             return _fail(meta, Status.BAD_INPUT, f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, "

@@ -515,7 +515,7 @@ def plan_micro_batches(
     where = f"rank {rank}"
     collective = (sync and dist.is_available()
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
-    err: Exception | None = None
+    err: BaseException | None = None
     un: Units | None = None
     k_local = bound = 0
     cache: dict[int, Any] = {}
@@ -535,7 +535,8 @@ def plan_micro_batches(
         check_fits(un, max_tokens, micro_batch_size, padded, where)
         k_local, bound, cache = _local_k(un, max_tokens, micro_batch_size, padded,
                                          num_micro_batches, min_micro_batches, divisible_by, where)
-    except Exception as e:  # noqa: BLE001 - any failure (a cost function's too) goes through the agreement
+    except BaseException as e:  # noqa: BLE001 - any failure (a cost function's too, or a KeyboardInterrupt
+        # in it) goes through the agreement, then is raised here as itself
         if not collective:
             raise
         err = e

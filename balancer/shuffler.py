@@ -70,6 +70,7 @@ from balancer._protocol import (
     capture,
     layout_description,
     message,
+    reraise,
 )
 from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
@@ -345,7 +346,11 @@ class BatchShuffler(ShufflerBase):
         Raises:
             ValueError: on every rank, when any rank's input or configuration
                 was invalid or differed (names the field, each rank's value and
-                the offending ranks); the shuffler stays usable.
+                the offending ranks); the shuffler stays usable. Where this
+                rank's ``workload_fn`` or partition raised, chained from that
+                error; where that was no ``Exception`` (``KeyboardInterrupt``,
+                ``SystemExit``), this rank raises it as itself instead, and the
+                peers the ``ValueError`` at once.
             ShuffleAbortedError: peers did not take part within ``timeout``;
                 names the phase and the missing ranks; the shuffler is closed.
             RuntimeError: out-of-order or repeated finish, foreign handle, or a
@@ -451,7 +456,7 @@ class BatchShuffler(ShufflerBase):
                 fn = None if self.partition is balanced_partition else self.partition
                 try:
                     step = plan_step(**kwargs, fn=fn, localize=localize, lower_bound=lower_bound)
-                except Exception:
+                except BaseException:  # noqa: BLE001 - re-raised below; SystemExit too
                     if not self._verify:
                         raise
                     # A user's partition that raised on some ranks only: the others
@@ -558,7 +563,7 @@ class BatchShuffler(ShufflerBase):
             mine = Report(groups.rank, meta.seq, meta.error, layout_description(meta), self._config)
             reports = self._collective(groups, meta.seq, "phase 1", _comm.all_gather_objects, mine, groups)
         text, _ = describe_failure(verdict, headers, reports)
-        raise ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}") from meta.cause
+        reraise(meta, ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}"))
 
     def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int | None) -> None:
         """Every rank's plan digest (``None``: the user's partition raised here), compared:

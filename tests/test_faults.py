@@ -122,6 +122,65 @@ def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
             assert dt < 30, (rank, name, dt)
 
 
+# ------------------------------------------- interrupts in the user's code
+def _interrupt_worker(rank: int, w: int) -> dict[str, tuple[str, str, float]]:
+    """A ``KeyboardInterrupt`` / ``SystemExit`` in one rank's ``workload_fn`` or
+    partition (user code) on rank ``w - 1``, then an ordinary shuffle."""
+    odd = rank == w - 1
+    out: dict[str, tuple[str, str, float]] = {}
+    calls = {"n": 0}
+
+    def interrupted(batch: TaggedBatch) -> torch.Tensor:
+        calls["n"] += 1
+        if odd and calls["n"] == 2:
+            raise KeyboardInterrupt("ctrl-c in workload_fn")
+        return token_count(batch)
+
+    def exiting(workloads: np.ndarray, n: int) -> list[list[int]]:
+        if odd:
+            raise SystemExit(3)
+        return greedy(workloads, n)
+
+    b = make_batch(rank, 8, 8, seed=1)
+    for name, s in (("workload_fn", BatchShuffler(interrupted, timeout=60)),
+                    ("partition", BatchShuffler(token_count, partition=exiting, timeout=60))):
+        if name == "workload_fn":
+            s.shuffle(b)  # the agreement in place: the interrupt comes at a later step
+        t0 = time.perf_counter()
+        try:
+            h = s.start_shuffle_async(b)  # never raises: the interrupt is the shuffle's to report
+            s.finish_shuffle(b, h)
+            out[name] = ("ok", "", time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - the test compares what each rank raised
+            out[name] = (type(e).__name__, str(e), time.perf_counter() - t0)
+        if name == "workload_fn":
+            s.shuffle(b)  # still usable on every rank
+            out["after"] = ("ok", "", 0.0)
+        s.close()
+    return out
+
+
+def test_an_interrupt_in_user_code_on_one_rank_reaches_every_rank_at_once() -> None:
+    """The peers of a rank whose ``workload_fn`` or partition raised a
+    ``KeyboardInterrupt`` or ``SystemExit`` used to wait out the shuffler
+    timeout; that rank still gets its own exception."""
+    outs = run_workers(_interrupt_worker, 3, timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["after"][0] == "ok", (rank, out)
+        kind, msg, dt = out["workload_fn"]
+        if rank == 2:
+            assert (kind, msg) == ("KeyboardInterrupt", "ctrl-c in workload_fn"), out
+        else:
+            assert kind == "ValueError", out
+            assert "workload_fn raised KeyboardInterrupt: ctrl-c in workload_fn (rank 2)" in msg, out
+        kind, msg, dt2 = out["partition"]
+        if rank == 2:
+            assert (kind, msg) == ("SystemExit", "3"), out
+        else:
+            assert kind == "ValueError" and "rank(s) [2]" in msg, out
+        assert max(dt, dt2) < 30, out  # not the 60 s timeout
+
+
 # --------------------------------------------------------- stalls and skips
 def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, Any]:
     s = BatchShuffler(token_count, timeout=TIMEOUT)

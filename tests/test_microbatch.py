@@ -317,14 +317,21 @@ def _worker_agree(rank: int, world_size: int) -> dict:
             raise TypeError("unsupported operand")
         return lens * 2
 
+    def interrupted(lens: np.ndarray) -> np.ndarray:  # ctrl-c on one rank, inside the cost function
+        if rank == 1:
+            raise KeyboardInterrupt("ctrl-c")
+        return lens * 2
+
     # Only ValueError went through the agreement: rank 1 raised alone and rank 0 hung.
     cases["cost_raises"] = {"lengths": [5] * 4, "max_tokens": 10, "cost": cost}
+    # ... and a KeyboardInterrupt, not an Exception, still did.
+    cases["cost_interrupted"] = {"lengths": [5] * 4, "max_tokens": 10, "cost": interrupted}
     for name, kw in cases.items():
         try:
             plan_micro_batches(kw.pop("lengths"), **kw)
             out[name] = None
-        except (ValueError, TypeError) as e:
-            out[name] = f"{type(e).__name__}: {e}" if name == "cost_raises" else str(e)
+        except (ValueError, TypeError, KeyboardInterrupt) as e:
+            out[name] = f"{type(e).__name__}: {e}" if name.startswith("cost") else str(e)
     local = plan_micro_batches(lens, max_tokens=300, sync=False)
     out["local"] = local.num_micro_batches
     return out
@@ -349,6 +356,9 @@ def test_same_count_on_every_rank_and_errors_everywhere() -> None:
     assert r1["cost_raises"] == "TypeError: unsupported operand"
     assert r0["cost_raises"] == ("ValueError: plan_micro_batches failed on rank 1 (see its error); "
                                  "nothing was planned (rank 0)")
+    assert r1["cost_interrupted"] == "KeyboardInterrupt: ctrl-c"
+    assert r0["cost_interrupted"] == ("ValueError: plan_micro_batches failed on rank 1 (see its error); "
+                                      "nothing was planned (rank 0)")
 
 
 # ------------------------------------------------------------ against brute force
