@@ -227,10 +227,14 @@ def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf
     (and one scatter into padded token slots), KJTs built with their sizes
     known (no later access syncs either)."""
     out: dict[tuple[str, str], torch.Tensor] = {}
+    pads = dict(zip((t.name for t in layout.tokens), layout.token_pads, strict=True))
     for s, g, p in zip(layout.sections, ex.out, ex.puts, strict=True):
         flat = take_runs(buf.view(OPAQUE[s.itemsize]), g, blob)
-        if p is not None:
-            flat = put_runs(flat, p, blob)
+        if p is not None:  # padded token slots: the runs into the field's pad value
+            pad = pads.get(s.field, 0)
+            init = None if pad == 0 else torch.full(
+                (p.dst_numel,), pad, dtype=s.dtype, device=flat.device).view(OPAQUE[s.itemsize])
+            flat = put_runs(flat, p, blob, init)
         out[(s.field, s.part)] = flat.view(s.dtype)
     b = ex.out_batch
     lengths = []

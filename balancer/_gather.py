@@ -92,9 +92,11 @@ def take_runs(src: torch.Tensor, g: RunGather, blob: DeviceBlob) -> torch.Tensor
     return src.index_select(0, idx)
 
 
-def put_runs(src: torch.Tensor, p: RunPut, blob: DeviceBlob) -> torch.Tensor:
-    """Execute ``p``: a zeroed ``[p.dst_numel]`` tensor with ``src``'s runs written in place."""
-    out = src.new_zeros(p.dst_numel)
+def put_runs(src: torch.Tensor, p: RunPut, blob: DeviceBlob, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Execute ``p``: ``src``'s runs written into ``out`` (``[p.dst_numel]`` of src's
+    dtype; default zeros), which is returned."""
+    if out is None:
+        out = src.new_zeros(p.dst_numel)
     if p.total == 0:
         return out
     lengths = blob.i64[p.lengths]

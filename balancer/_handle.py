@@ -23,7 +23,7 @@ import torch.distributed as dist
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors
 from balancer._layout import WireLayout
-from balancer._protocol import NO_PREV, LocalMeta, message, reraise
+from balancer._protocol import NO_PREV, LocalMeta, message, reraise, stay_length
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer.batch import BaseBatch
 from balancer.tokens import TokenBatch
@@ -53,6 +53,9 @@ class Outcome:
     # group_size: phase 2 is one collective of all W ranks, so a rank whose
     # group moves nothing still takes part in it, sending nothing.
     join: bool = False
+    # A padded TokenBatch that stays put (no exchange): its padded length, the
+    # longest real sample rounded up to pad_multiple (read here, in the background).
+    length: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -188,7 +191,7 @@ class ShufflerBase:
                             dest=np.zeros(b, np.int64), real=np.array([meta.real]),
                             lower_bound=max(float(workloads.sum()), float(workloads.max(initial=0.0))),
                             partition_s=0.0, traffic=Traffic(), background_s=0.0)
-        return Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64))
+        return Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64), length=stay_length(meta))
 
     def _wait(self, handle: ShuffleHandle, limit: float | None) -> Outcome:
         assert handle._job is not None, "only handles with background work are waited for"

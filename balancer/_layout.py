@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._ints import is_int
 from balancer._plan_layout import KJTPlan, PlanLayout, SectionPlan
-from balancer.tokens import TokenBatch
+from balancer.tokens import TokenBatch, pad_value_problems
 
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
@@ -128,6 +128,7 @@ class WireLayout:
     tokens: tuple[DenseSpec, ...] = ()  # a TokenBatch's per-token fields (shape: per token)
     seq_lens_dtype: torch.dtype | None = None  # a TokenBatch's; None for a BaseBatch
     pad_multiple: int = 1
+    token_pads: tuple[int | float | bool, ...] = ()  # a padded TokenBatch's pad value per token field
 
     @property
     def is_tokens(self) -> bool:
@@ -152,7 +153,7 @@ class WireLayout:
         if self.is_tokens:
             return _describe_tokens(self.batch_class, self.batch_size, self.tokens, self.dense,
                                     self.seq_lens_dtype, not any(s.padded for s in self.sections if s.jagged),
-                                    self.pad_multiple)
+                                    self.pad_multiple, self.token_pads)
         return describe(self.batch_class, self.batch_size, self.kjts, self.dense)
 
 
@@ -172,13 +173,16 @@ def describe(batch_class: str, b: int, kjts: tuple[KJTSpec, ...] | list[KJTSpec]
 
 
 def _describe_tokens(batch_class: str, b: int, tokens: tuple[DenseSpec, ...], samples: tuple[DenseSpec, ...],
-                     seq_lens_dtype: Any, packed: bool, pad_multiple: int) -> dict[str, str]:
+                     seq_lens_dtype: Any, packed: bool, pad_multiple: int,
+                     pads: tuple[int | float | bool, ...]) -> dict[str, str]:
     out = {"batch class": batch_class, "batch_size": str(b), "layout": "packed" if packed else "padded",
            "seq_lens dtype": str(seq_lens_dtype), "pad_multiple": str(pad_multiple),
            "token fields": str([t.name for t in tokens]), "sample fields": str([t.name for t in samples])}
-    for t in tokens:
+    for t, pad in zip(tokens, pads, strict=True):
         out[f"tokens[{t.name!r}] dtype"] = str(t.dtype)
         out[f"tokens[{t.name!r}] per-token shape"] = str(list(t.shape))
+        if not packed:
+            out[f"tokens[{t.name!r}] pad value"] = repr(pad)
     for t in samples:
         out[f"samples[{t.name!r}] dtype"] = str(t.dtype)
         out[f"samples[{t.name!r}] per-sample shape"] = str(list(t.shape))
@@ -216,9 +220,24 @@ def _token_layout(batch: TokenBatch) -> WireLayout:
                         0 if packed else length * _width(t.shape), not packed) for t in tokens]
     sections += [Section(t.name, "samples", t.dtype, _itemsize(t.dtype), -1, 1, _width(t.shape)) for t in samples]
     cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
-    desc = _describe_tokens(cls, b, tokens, samples, batch.seq_lens.dtype, packed, batch.pad_multiple)
+    pads = tuple(_pad(batch, t) for t in tokens)
+    desc = _describe_tokens(cls, b, tokens, samples, batch.seq_lens.dtype, packed, batch.pad_multiple, pads)
     return WireLayout(cls, b, (), samples, tuple(sections), 1, fingerprint(desc), tokens, batch.seq_lens.dtype,
-                      batch.pad_multiple)
+                      batch.pad_multiple, pads)
+
+
+def _pad(batch: TokenBatch, spec: DenseSpec) -> int | float | bool:
+    """Token field ``spec``'s pad value as its dtype holds it (0 where ``pad_values``
+    names none or is invalid: :func:`scalar_problems` reports that)."""
+    pads = batch.pad_values
+    value = pads.get(spec.name, 0) if isinstance(pads, dict) else 0
+    if pad_value_problems({spec.name: torch.empty(0, dtype=spec.dtype)}, {spec.name: value}):
+        value = 0
+    if spec.dtype == torch.bool:
+        return bool(value)
+    if spec.dtype.is_complex:
+        return complex(value)  # type: ignore[return-value]  # repr'd, and given to torch.full
+    return float(value) if spec.dtype.is_floating_point else int(value)
 
 
 def wire_layout(batch: Any) -> WireLayout:
@@ -301,7 +320,8 @@ def scalar_problems(batch: Any) -> list[str]:
     """The batch's plain fields that a layout is built from, checked first
     (they may have been set after construction): ``batch_size`` a Python int
     >= 1 (the batch is rebuilt with it after phase 2), and for a
-    ``TokenBatch`` ``pad_multiple`` an int >= 1 and at least one token field."""
+    ``TokenBatch`` ``pad_multiple`` an int >= 1, at least one token field and
+    ``pad_values`` that name token fields and fit their dtypes."""
     out = []
     b = getattr(batch, "batch_size", None)
     if not is_int(b, 1):
@@ -312,6 +332,7 @@ def scalar_problems(batch: Any) -> list[str]:
             out.append(f"pad_multiple={m!r}, expected an int >= 1")
         if not batch.tokens:
             out.append("tokens is empty, expected at least one per-token tensor")
+        out += pad_value_problems(batch.tokens, batch.pad_values)
     return out
 
 

@@ -127,6 +127,18 @@ def reraise(meta: LocalMeta, error: Exception) -> NoReturn:
     raise error from cause
 
 
+def stay_length(meta: LocalMeta) -> int:
+    """The padded length a padded ``TokenBatch`` that stays put gets, as a moved one
+    would: its longest real sample rounded up to ``pad_multiple`` (0 for any other
+    batch). Background thread: reads the host copy of phase 1, complete by now."""
+    layout = meta.layout
+    if layout is None or meta.host is None or not any(s.jagged and s.padded for s in layout.sections):
+        return 0
+    b = meta.batch_size
+    longest = int(meta.host[b : b + b].numpy()[: max(meta.real, 0)].max(initial=0))
+    return -(-longest // layout.pad_multiple) * layout.pad_multiple
+
+
 def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:
     """[K_total, B] int64 lengths (every KJT key, or ``seq_lens``), stacked (device ops only)."""
     rows = [t.to(torch.int64) for t in lengths_tensors(batch, layout)]

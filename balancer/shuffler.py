@@ -56,7 +56,7 @@ from balancer._agreement import Agreement, Report, Verdict, decide, describe_fai
 from balancer._calibrate import CalibrationState
 from balancer._comm import ShuffleGroups
 from balancer._destinations import PartitionFn
-from balancer._exchange import Traffic, padded_length
+from balancer._exchange import Traffic
 from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
@@ -71,6 +71,7 @@ from balancer._protocol import (
     layout_description,
     message,
     reraise,
+    stay_length,
 )
 from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
@@ -96,7 +97,7 @@ from balancer.partition import (
     localize,
     lower_bound,
 )
-from balancer.tokens import TokenBatch
+from balancer.tokens import TokenBatch, pad_value
 
 logger = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ class BatchShuffler(ShufflerBase):
             collective_s = 0.0
             out: Any = batch if self.capacity is None else _padded(batch, self.capacity)
             if outcome.exchange is None:
-                out = _canonical_length(out, handle._meta)
+                out = _canonical_length(out, outcome.length)
             if outcome.exchange is not None or outcome.join:
                 groups = self._groups_for(group)
                 target = groups.phase2_group(batch.device)
@@ -483,7 +484,8 @@ class BatchShuffler(ShufflerBase):
                 dest = members[dest]
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
-            return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None)
+            return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None,
+                           length=stay_length(meta) if ex is None else 0)
 
     def _gather_in_group(self, meta: LocalMeta, groups: ShuffleGroups,
                          agreed: Agreement | None
@@ -601,27 +603,23 @@ class BatchShuffler(ShufflerBase):
         return self._worker
 
 
-def _canonical_length(batch: Any, meta: Any) -> Any:
-    """A padded ``TokenBatch`` that stays put, at the length a shuffle gives:
-    its longest sample rounded up to ``pad_multiple`` (anything else unchanged).
-
-    The longest comes from phase 1's host copy of the lengths (complete by
-    now: the background thread waited for it), so nothing is read from the device.
-    """
-    if not isinstance(batch, TokenBatch) or batch.packed or meta.host is None:
+def _canonical_length(batch: Any, length: int) -> Any:
+    """A padded ``TokenBatch`` that stays put, as a shuffle gives it: at ``length``
+    (its longest sample rounded up to ``pad_multiple``, from the background
+    work), every padding position holding its field's pad value (new tensors;
+    the caller's are not written). Anything else unchanged. Device ops only."""
+    if not isinstance(batch, TokenBatch) or batch.packed:
         return batch
-    b, real = meta.batch_size, meta.real
-    longest = int(meta.host[b : b + b].numpy()[:real].max(initial=0))
-    length = padded_length(longest, batch.pad_multiple)  # as a shuffle's output gets it
-    if length == batch.max_len:
-        return batch
+    pad = torch.arange(length, device=batch.device)[None, :] >= batch.seq_lens[:, None]  # [B, length]
 
-    def fit(t: torch.Tensor) -> torch.Tensor:
+    def fit(name: str, t: torch.Tensor) -> torch.Tensor:
         if length < t.shape[1]:  # only padding slots are cut
-            return t[:, :length].contiguous()
-        return torch.cat([t, t.new_zeros((t.shape[0], length - t.shape[1], *t.shape[2:]))], dim=1)
+            t = t[:, :length]
+        elif length > t.shape[1]:
+            t = torch.cat([t, t.new_zeros((t.shape[0], length - t.shape[1], *t.shape[2:]))], dim=1)
+        return t.masked_fill(pad.view(*pad.shape, *([1] * (t.dim() - 2))), pad_value(batch, name))
 
-    return dataclasses.replace(batch, tokens={k: fit(v) for k, v in batch.tokens.items()})
+    return dataclasses.replace(batch, tokens={k: fit(k, v) for k, v in batch.tokens.items()})
 
 
 def _padded(batch: Any, size: int) -> Any:

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -52,6 +53,11 @@ class TokenBatch:
         actual_batch_size: real samples (default ``batch_size``).
         pad_multiple: a shuffled padded batch is padded to its longest
             sample rounded up to this multiple (e.g. 8 for tensor cores).
+        pad_values: per token field, the value of a padded batch's padding
+            positions: beyond each sample's ``seq_lens``, and the rows of
+            padding samples (default 0; e.g. ``{"labels": -100, "input_ids":
+            pad_id}``). A shuffle's output holds it whether or not samples
+            moved, and :meth:`pad` writes it. Unused by a packed batch.
 
     Raises:
         ValueError: on a shape that breaks the layout, naming the field, its
@@ -65,6 +71,7 @@ class TokenBatch:
     samples: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     actual_batch_size: int | None = None
     pad_multiple: int = 1
+    pad_values: dict[str, int | float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         b = self.batch_size
@@ -104,6 +111,9 @@ class TokenBatch:
         for name, t in self.samples.items():
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b:
                 raise ValueError(f"samples[{name!r}]: {_describe(t)}, expected [batch_size={b}, ...]")
+        problems = pad_value_problems(self.tokens, self.pad_values)
+        if problems:
+            raise ValueError(problems[0])
 
     @property
     def device(self) -> torch.device:
@@ -148,7 +158,8 @@ class TokenBatch:
 
     def pad(self, batch_size: int) -> TokenBatch:
         """This batch with padding samples appended up to ``batch_size`` (zero
-        ``seq_lens`` and rows; a packed batch's tokens are unchanged)."""
+        ``seq_lens`` and ``samples`` rows, token rows of ``pad_values``; a packed
+        batch's tokens are unchanged)."""
         size = as_count(batch_size)  # numpy ints too; not floats, strings or bools
         if size is None or size < self.batch_size:
             raise ValueError(f"pad: batch_size={batch_size!r}, expected an int >= the batch's {self.batch_size}")
@@ -157,10 +168,11 @@ class TokenBatch:
             return self
         extra = batch_size - self.batch_size
 
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+        def grow(t: torch.Tensor, value: int | float = 0) -> torch.Tensor:
+            return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
 
-        tokens = self.tokens if self.packed else {k: grow(v) for k, v in self.tokens.items()}
+        pads = self.pad_values
+        tokens = self.tokens if self.packed else {k: grow(v, pads.get(k, 0)) for k, v in self.tokens.items()}
         return dataclasses.replace(self, batch_size=batch_size, seq_lens=grow(self.seq_lens), tokens=tokens,
                                    samples={k: grow(v) for k, v in self.samples.items()})
 
@@ -174,3 +186,44 @@ def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"shape {tuple(t.shape)} and dtype {t.dtype}"
     return f"a {type(t).__name__}"
+
+
+def pad_value_problems(tokens: Any, pad_values: Any) -> list[str]:
+    """What is wrong with ``pad_values`` for these ``tokens`` (empty: nothing):
+    a dict naming token fields, each value a Python number the field's dtype
+    holds exactly (an int for integer fields, a bool for bool fields)."""
+    if not isinstance(pad_values, dict):
+        return [f"pad_values: a {type(pad_values).__name__}, expected a dict of token field name -> value"]
+    out = []
+    for name, value in pad_values.items():
+        t = tokens.get(name) if isinstance(tokens, dict) and isinstance(name, str) else None
+        if not isinstance(t, torch.Tensor):
+            names = sorted(k for k in tokens if isinstance(k, str)) if isinstance(tokens, dict) else []
+            out.append(f"pad_values: key {name!r} names no token field, expected one of {names}")
+            continue
+        if not _holds(t.dtype, value):
+            out.append(f"pad_values[{name!r}]={value!r} ({type(value).__name__}), expected a Python number "
+                       f"that tokens[{name!r}]'s dtype {t.dtype} holds exactly")
+    return out
+
+
+def pad_value(batch: TokenBatch, name: str) -> int | float:
+    """The padding value of token field ``name`` (0 where ``pad_values`` has none)."""
+    return batch.pad_values.get(name, 0)
+
+
+def _holds(dtype: torch.dtype, value: Any) -> bool:
+    """Whether ``dtype`` holds the Python number ``value``: exactly for integer and
+    bool fields; for floating fields any int or float that does not overflow to
+    an infinity (it rounds to the dtype, as ``torch.full`` does)."""
+    if dtype == torch.bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if dtype.is_floating_point or dtype.is_complex:
+        real = torch.empty((), dtype=dtype).real.dtype
+        return not math.isfinite(value) or abs(value) <= torch.finfo(real).max
+    if not isinstance(value, int):
+        return False
+    info = torch.iinfo(dtype)
+    return info.min <= value <= info.max

@@ -7,6 +7,7 @@ it; only valid tokens may arrive, padding must be zeros.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from balancer import TokenBatch
+from balancer._layout import wire_layout
 from balancer.shuffler import BatchShuffler
 from balancer.testing import HostReadRecorder, run_workers
 from tests.test_exchange import simulate
@@ -85,6 +87,16 @@ def test_token_batch_validates_shapes() -> None:
         ({"actual_batch_size": True}, "actual_batch_size=True, expected an int"),
         ({"actual_batch_size": "2"}, "actual_batch_size='2', expected an int"),
         ({"pad_multiple": 0}, "pad_multiple=0, expected an int >= 1"),
+        # a misspelt field was a silent no-op, and -100 in a uint8 field would wrap
+        ({"pad_values": {"label": -100}}, r"pad_values: key 'label' names no token field, expected one of \['a'\]"),
+        ({"pad_values": [("a", 1)]}, "pad_values: a list, expected a dict"),
+        ({"tokens": {"a": torch.zeros(4, 5, dtype=torch.uint8)}, "pad_values": {"a": -100}},
+         r"pad_values\['a'\]=-100 \(int\), expected a Python number that tokens\['a'\]'s dtype torch.uint8 holds"),
+        ({"tokens": {"a": torch.zeros(4, 5, dtype=torch.int64)}, "pad_values": {"a": 0.5}}, r"pad_values\['a'\]=0.5"),
+        ({"tokens": {"a": torch.zeros(4, 5, dtype=torch.int64)}, "pad_values": {"a": True}}, r"pad_values\['a'\]=True"),
+        ({"tokens": {"a": torch.zeros(4, 5, dtype=torch.bool)}, "pad_values": {"a": 0}}, r"pad_values\['a'\]=0"),
+        ({"tokens": {"a": torch.zeros(4, 5, dtype=torch.float16)}, "pad_values": {"a": 1e5}}, r"pad_values\['a'\]=100000.0"),
+        ({"pad_values": {"a": torch.tensor(1.0)}}, r"pad_values\['a'\]=tensor\(1.\) \(Tensor\)"),
     ):
         args = dict(batch_size=4, seq_lens=torch.zeros(4, dtype=torch.int64), tokens={"a": torch.zeros(4, 5)})
         args.update(kwargs)
@@ -98,6 +110,13 @@ def test_token_batch_validates_shapes() -> None:
     # a numpy count (as pad_batch takes), a plain int in the result
     grown = numpy_count.pad(np.int64(6))  # type: ignore[arg-type]
     assert grown.batch_size == 6 and type(grown.batch_size) is int and tuple(grown.tokens["a"].shape) == (6, 5)
+    labelled = TokenBatch(batch_size=2, seq_lens=torch.tensor([3, 0]), actual_batch_size=1,
+                          tokens={"ids": torch.ones(2, 4, dtype=torch.int64), "m": torch.ones(2, 4, 2, dtype=torch.bool),
+                                  "x": torch.ones(2, 4, dtype=torch.bfloat16)},
+                          pad_values={"ids": -100, "m": False, "x": float("nan")})
+    grown = labelled.pad(3)  # the new padding sample's rows hold the pad values
+    assert grown.tokens["ids"][2].tolist() == [-100] * 4 and not grown.tokens["m"][2].any()
+    assert grown.tokens["x"][2].isnan().all() and grown.tokens["ids"][:2].eq(1).all()
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -241,6 +260,71 @@ def test_pad_multiple_holds_when_nothing_moves(length: int, capacity: int | None
         assert out["comm"] == "none"
         assert out["shape"] == (capacity or 2, 8) and out["zero"] == (capacity or 2, 8, 0)
         assert out["ids"] == [[100, 101, 102, 103, 104], [200, 201, 202, 0, 0]] and out["tail"] == 0
+
+
+PADS = {"input_ids": -100, "pos3": 7}
+
+
+def _pad_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
+    """Padded batches whose padding positions hold garbage (-5): the output's
+    padding holds ``pad_values`` (0 for ``pos3`` where not given), samples
+    moved or not, with and without ``capacity``; its valid tokens are the input's."""
+    out = []
+    cost = lambda b: b.seq_lens.double() ** 2  # noqa: E731
+    for comm in ("all2all", "allgather"):
+        for capacity in (None, 8):
+            for pads in (PADS, {"input_ids": -100}):
+                s = BatchShuffler(cost, comm=comm, capacity=capacity)
+                for still in (False, True):
+                    seed = 3 if still else 20 + rank  # the same batch everywhere: nothing moves
+                    src = token_batch(0 if still else rank, 6, 6 if still or rank != 1 else 4, seed=seed,
+                                      packed=False, max_len=8 + 3 * (0 if still else rank), pad_multiple=4)
+                    tokens = {k: v.masked_fill(~_valid(src, v), -5) for k, v in src.tokens.items()}
+                    batch = dataclasses.replace(src, tokens=tokens, pad_values=dict(pads))
+                    with HostReadRecorder() as reads:
+                        h = s.start_shuffle_async(batch)
+                        got = s.finish_shuffle(batch, h)
+                    assert reads.calls == [], reads.calls
+                    assert batch.tokens["input_ids"].eq(-5).any()  # the caller's tensors are not written
+                    holds = {name: bool(t.masked_select(~_valid(got, t)).eq(pads.get(name, 0)).all())
+                             for name, t in got.tokens.items()}
+                    clean = dataclasses.replace(got, tokens={k: v.masked_fill(~_valid(got, v), 0)
+                                                             for k, v in got.tokens.items()})
+                    out.append((comm, capacity, still, h.stats.comm, holds, token_rows(src), token_rows(clean)))
+                s.close()
+    return out
+
+
+def _valid(batch: TokenBatch, t: torch.Tensor) -> torch.Tensor:
+    """[B, L, 1...] True on valid token positions, broadcastable to ``t``."""
+    mask = batch.attention_mask()
+    return mask.view(*mask.shape, *([1] * (t.dim() - 2)))
+
+
+def test_padding_positions_hold_pad_values_whether_or_not_samples_moved() -> None:
+    # The padding of a batch that stayed put was the caller's (whatever lay
+    # beyond seq_lens), of a moved one zeros: labels padded with -100 came back
+    # as token id 0 on moved samples only.
+    per_rank = run_workers(_pad_worker, 3, timeout=300)
+    for i, (comm, capacity, still, _, _, _, _) in enumerate(per_rank[0]):
+        before = Counter(x for r in per_rank for x in r[i][5])
+        after = Counter(x for r in per_rank for x in r[i][6])
+        assert before == after, (comm, capacity, still)
+        for r in per_rank:
+            assert all(r[i][4].values()), (comm, capacity, still, r[i][4])
+            assert (r[i][3] == "none") == still or capacity is not None, (comm, capacity, still, r[i][3])
+    assert {r[i][3] for r in per_rank for i in range(len(r))} >= {"none", "all2all", "allgather"}
+
+
+def test_pad_values_must_agree_across_ranks() -> None:
+    ranks = [token_batch(r, 4, 4, seed=1, packed=False) for r in range(2)]
+    a = wire_layout(dataclasses.replace(ranks[0], pad_values={"input_ids": -100}))
+    b = wire_layout(ranks[1])
+    assert a.fingerprint != b.fingerprint
+    assert a.describe()["tokens['input_ids'] pad value"] == "-100" and b.describe()["tokens['input_ids'] pad value"] == "0"
+    packed = [wire_layout(dataclasses.replace(token_batch(0, 4, 4, seed=1, packed=True), pad_values=p))
+              for p in ({}, {"input_ids": -100})]
+    assert packed[0].fingerprint == packed[1].fingerprint  # a packed batch has no padding positions
 
 
 def _zero_width_worker(rank: int, w: int) -> dict[str, Any]:
