@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from balancer.batch import BaseBatch, pad_batch
 from balancer.errors import ShuffleAbortedError
 from balancer.shuffler import BatchShuffler, ShuffleStats
-from balancer.tokens import TokenBatch
+from balancer.tokens import TokenBatch, pad_value
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class Run:
 
 # ------------------------------------------------------------ producer
 def _padding_like(batch: BaseBatch | TokenBatch) -> BaseBatch | TokenBatch:
-    """A batch of the same layout and size with no real sample (zero lengths, zero rows)."""
+    """A batch of the same layout and size with no real sample (zero lengths, zero rows;
+    a padded ``TokenBatch``'s token rows hold its ``pad_values``)."""
     if isinstance(batch, TokenBatch):
         return _token_padding(batch)
 
@@ -145,10 +146,10 @@ def _padding_like(batch: BaseBatch | TokenBatch) -> BaseBatch | TokenBatch:
 
 
 def _token_padding(batch: TokenBatch) -> TokenBatch:
-    def tokens(t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
-        return t.new_zeros((0, *t.shape[1:])) if batch.packed else torch.zeros_like(t)
+    def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
+        return t.new_zeros((0, *t.shape[1:])) if batch.packed else torch.full_like(t, pad_value(batch, name))
     return dataclasses.replace(batch, seq_lens=torch.zeros_like(batch.seq_lens),
-                               tokens={k: tokens(v) for k, v in batch.tokens.items()},
+                               tokens={k: tokens(k, v) for k, v in batch.tokens.items()},
                                samples={k: torch.zeros_like(v) for k, v in batch.samples.items()},
                                actual_batch_size=0)
 

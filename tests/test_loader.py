@@ -170,26 +170,41 @@ def test_every_sample_once_per_epoch_matches_the_shuffler_and_ahead() -> None:
 TOKEN_COUNTS = [3, 1, 2]  # batches per rank: uneven, so ranks run out at different steps
 
 
-def _token_source(rank: int, packed: bool) -> Iterator[TokenBatch]:
+PADS = {"input_ids": -100, "pos3": 7}
+
+
+def _token_source(rank: int, packed: bool, pads: bool = False) -> Iterator[TokenBatch]:
     n = TOKEN_COUNTS[rank]
     for step in range(n):  # the last batch is incomplete; ids 1 + (10 * rank + step) * 1000 + i
         size = B - 1 if step == n - 1 else B
-        yield token_batch(10 * rank + step, size, size, seed=step, packed=packed)
+        batch = token_batch(10 * rank + step, size, size, seed=step, packed=packed)
+        yield dataclasses.replace(batch, pad_values=PADS) if pads else batch
+
+
+def _unpadded(b: TokenBatch) -> TokenBatch:
+    """``b`` with its padding checked to hold ``PADS``, then zeroed (as ``token_rows`` wants)."""
+    mask = b.attention_mask()
+    tokens = {}
+    for name, t in b.tokens.items():
+        pad = ~mask.view(*mask.shape, *([1] * (t.dim() - 2))).expand_as(t)
+        assert t[pad].eq(PADS[name]).all(), name
+        tokens[name] = t.masked_fill(pad, 0)
+    return dataclasses.replace(b, tokens=tokens)
 
 
 def _token_loader_worker(rank: int, w: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for packed in (False, True):
+    for packed, pads in ((False, False), (True, False), (False, True)):
         drawn = [r for b in _token_source(rank, packed) for r in token_rows(b)]
         got, sizes = [], []
-        with BalancedLoader(list(_token_source(rank, packed)), lambda b: (b.seq_lens + 1) ** 2,
+        with BalancedLoader(list(_token_source(rank, packed, pads)), lambda b: (b.seq_lens + 1) ** 2,
                             batch_size=B, **FAST) as loader:  # rank 1's only batch is incomplete
             for _ in range(2):  # two passes: the padding template is rebuilt per pass
                 for b in loader:
                     assert isinstance(b, TokenBatch) and b.packed == packed
                     sizes.append(b.batch_size)
-                    got.append(token_rows(b))
-        out[packed] = (drawn, got, sizes)
+                    got.append(token_rows(_unpadded(b) if pads else b))
+        out["pads" if pads else packed] = (drawn, got, sizes)
     # A rank with no batch at all reports it through a carrier of another kind: the same error everywhere.
     empty = [] if rank == 2 else list(_token_source(rank, False))
     with BalancedLoader(empty, lambda b: (b.seq_lens + 1) ** 2, batch_size=B, **FAST) as loader:
@@ -201,7 +216,7 @@ def test_token_batches_every_sample_once_per_pass() -> None:
     # A TokenBatch loader used to fail at the end of every pass: the padding
     # template was built for BaseBatch only.
     outs = run_workers(_token_loader_worker, len(TOKEN_COUNTS), timeout=120)
-    for packed in (False, True):
+    for packed in (False, True, "pads"):  # "pads": padded, padding positions hold pad_values
         drawn = sorted(r for o in outs for r in o[packed][0])
         assert len(drawn) == sum(B * c - 1 for c in TOKEN_COUNTS)
         steps = max(TOKEN_COUNTS)
