@@ -21,6 +21,7 @@ has no CUDA kernels (the CPU wheel ``fbgemm-gpu-cpu`` has none).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -211,12 +212,14 @@ def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[An
             got.attention_mask()
 
     out = []
-    for packed in (False, True):
+    pads = {"input_ids": -100, "pos3": 7}  # the third variant: padding positions hold these
+    for packed, padded_with in ((False, {}), (True, {}), (False, pads)):
         for comm in ("all2all", "allgather"):
             on_dev, on_cpu = BatchShuffler(cost, comm=comm), BatchShuffler(cost, comm=comm)
             for case in range(4):
                 cpu = token_batch(rank, 6, [6, 4, 0, 6][case] if rank == 1 else 6, seed=40 + case,
                                   packed=packed, max_len=7 + 2 * rank, pad_multiple=8)
+                cpu = dataclasses.replace(cpu, pad_values=dict(padded_with))
                 got = _shuffle_checked(on_dev, cpu.to(dev), dev, downstream)
                 ref = on_cpu.shuffle(cpu)
                 host = got.to(torch.device("cpu"))
@@ -228,6 +231,14 @@ def _token_cuda_worker(rank: int, w: int, device: str = "cuda") -> list[tuple[An
                     assert torch.equal(host.tokens[name], ref.tokens[name]), (packed, comm, case, name)
                 for name in ref.samples:
                     assert torch.equal(host.samples[name], ref.samples[name]), (packed, comm, case, name)
+                if padded_with:  # the reference's padding holds them; zeroed for token_rows
+                    mask = ref.attention_mask()
+                    tokens = {}
+                    for name, t in ref.tokens.items():
+                        pad = ~mask.view(*mask.shape, *([1] * (t.dim() - 2))).expand_as(t)
+                        assert t[pad].eq(padded_with[name]).all(), (comm, case, name)
+                        tokens[name] = t.masked_fill(pad, 0)
+                    ref = dataclasses.replace(ref, tokens=tokens)
                 out.append((token_rows(cpu), token_rows(ref)))
             on_dev.close()
             on_cpu.close()
