@@ -87,6 +87,10 @@ def features(workloads: np.ndarray, lengths: np.ndarray, dest: np.ndarray, real:
     return out
 
 
+# OnlineFit.fit drops times below this fraction of the window's median time.
+_MIN_REL_TIME = 1e-6
+
+
 def nnls_small(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Exact non-negative least squares for a few columns: the best unconstrained
     fit among all supports whose coefficients are all >= 0 (deterministic)."""
@@ -148,6 +152,13 @@ class OnlineFit:
             return None
         feats = np.array(self._rows)
         y = np.array(self._times)
+        # A time a million times below the median is a misread clock, not a
+        # step: 1/y of a denormal (5e-324 s) overflowed the relative rows to
+        # inf, and every later fit raised LinAlgError (or found nothing).
+        sane = y >= np.median(y) * _MIN_REL_TIME
+        feats, y = feats[sane], y[sane]
+        if y.size < self.min_observations:
+            return None
         # Relative residuals: timing noise grows with the time, and a fit in
         # absolute terms would be decided by the slowest ranks alone.
         a = np.concatenate([np.ones((feats.shape[0], 1)), feats], axis=1) / y[:, None]  # c0, then the features

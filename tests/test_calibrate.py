@@ -64,6 +64,29 @@ def test_online_fit_recovers_the_model_despite_noise_and_outliers() -> None:
     assert again.fit() == model
 
 
+@pytest.mark.parametrize("bad", [1e-9, 1e-200, 1e-310, 5e-324])
+def test_a_misread_tiny_time_is_an_outlier_not_a_broken_fit(bad: float) -> None:
+    # One rank reporting 5e-324 s once (record_compute takes any finite time
+    # > 0) overflowed 1 / time to inf: every later fit raised LinAlgError and
+    # every shuffle failed; 1e-200 made the fit find nothing (calibration off).
+    clean, hit = OnlineFit(min_observations=16), OnlineFit(min_observations=16)
+    for fit, tiny in ((clean, False), (hit, True)):
+        rng = np.random.default_rng(0)
+        for seq in range(10):
+            lengths = rng.zipf(1.3, 8 * 16).clip(1, 2048)
+            feats = features(np.zeros(lengths.size), lengths, rng.integers(0, 8, 8 * 16),
+                             np.ones(lengths.size, bool), 8)
+            fit.record(seq, feats)
+            times = (0.01 + feats @ TRUTH) * (1 + rng.normal(0, 0.02, 8))
+            if tiny and seq == 3:
+                times[0] = bad
+            fit.observe(np.full(8, seq), times)
+    model, ref = hit.fit(), clean.fit()
+    assert model is not None and ref is not None
+    assert model.observations == ref.observations - 1  # that one time dropped, every other kept
+    np.testing.assert_allclose([model.beta, model.gamma], [ref.beta, ref.gamma], rtol=0.02)
+
+
 def test_unidentified_directions_do_not_change_what_balancing_sees() -> None:
     """With equal counts a per-sample constant is a per-step one, and with
     workload_fn = L its coefficient and gamma trade off: the fit may split them
