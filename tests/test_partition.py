@@ -1280,6 +1280,17 @@ def test_loose_token_cap_keeps_compute_quality() -> None:
         assert max(int(lens[p].sum()) for p in capped) <= top
 
 
+def test_a_cap_above_every_total_is_no_cap() -> None:
+    # Integer tokens with a cap wider than int64 (2**63, 1e20) raised
+    # OverflowError in the numpy comparisons, and in the shuffler every step's
+    # planner failed; any cap of at least the total allows every partition.
+    x, lens = _zipf_tokens(8, 0)
+    plain = balanced_partition(x, 8, tokens=lens, max_tokens=int(lens.sum()))
+    for cap in (2**63 - 1, 2**63, 1e19, 1e20, np.uint64(2**64 - 1), float(2**70)):
+        assert balanced_partition(x, 8, tokens=lens, max_tokens=cap) == plain, cap  # type: ignore[arg-type]
+    assert balanced_partition(x, 8, tokens=lens.astype(float), max_tokens=1e300) == plain
+
+
 def test_token_cap_with_home_still_holds() -> None:
     x, lens = _zipf_tokens(8, 1)
     home = np.arange(x.size) // 32

@@ -128,7 +128,11 @@ def token_cap(t: np.ndarray, w: int, max_tokens: float | None) -> float:
             raise ValueError(f"max_tokens={max_tokens!r}, expected a finite number >= 0")
         cap = max_tokens
     if t.dtype.kind in "iu":
-        return math.floor(cap) if isinstance(cap, float) else int(cap)  # type: ignore[return-value]
+        # No part holds more than all the tokens: a larger cap (2**63, 1e20)
+        # allows the same partitions, and as a wider-than-int64 Python int it
+        # overflowed the numpy comparisons (OverflowError).
+        whole = math.floor(cap) if isinstance(cap, float) else int(cap)
+        return min(whole, int(t.sum()))  # type: ignore[return-value]
     return float(cap)
 
 
