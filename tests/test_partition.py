@@ -455,6 +455,31 @@ def test_localize_errors() -> None:
         localize([[0, 1], [1, 2]], [1, 1, 1, 1], [0, 0, 1, 1])
     with pytest.raises(ValueError, match="home"):
         localize([[0, 1], [2, 3]], [1, 1, 1, 1], [0, 0, 1, 2])
+    # float indices were truncated (0.7 -> 0), ragged parts got numpy's own message
+    for parts in ([[0.7, 1], [2, 3]], [[0, 1], [2, 3, 4], [5]]):
+        with pytest.raises(ValueError, match=r"parts must be \d lists of 2 int indices"):
+            localize(parts, list(range(2 * len(parts))), [0] * 2 * len(parts))
+    assert localize([[3, 1, 2, 0]], [1, 2, 3, 4], [0, 0, 0, 0]) == [[0, 1, 2, 3]]  # one part: ascending too
+
+
+def _exact_max(x: np.ndarray, parts: list[list[int]]) -> float:
+    return max(math.fsum(x[i] for i in p) for p in parts)
+
+
+def test_localize_never_raises_the_exact_max_of_float_workloads() -> None:
+    # The re-balance from home tracked loads by running float sums: its result
+    # could end an ulp above the input's max (374.3 -> 374.30000000000007).
+    rng = np.random.default_rng(7)
+    raised = 0
+    for _ in range(300):
+        w, b = 8, 8
+        x = np.round(rng.uniform(0, 100, w * b), 1)
+        parts = balanced_partition(x, w)
+        home = rng.integers(0, w, w * b)
+        top = _exact_max(x, parts)
+        raised += _exact_max(x, localize(parts, x, home)) > top
+        raised += _exact_max(x, balanced_partition(x, w, home=home)) > top
+    assert raised == 0
 
 
 # ------------------------------------------------------------ worker process

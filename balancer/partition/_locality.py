@@ -20,6 +20,7 @@ part has and never lets any part exceed the input's max load ``M``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,17 +168,36 @@ def localize_rows(x: np.ndarray, rows: np.ndarray, home: np.ndarray,
     """See :func:`localize`; ``rows`` [W, B] indices in, out."""
     w, b = rows.shape
     if w <= 1 or b == 0:
-        return rows
+        return np.sort(rows, axis=1)
     max_load = x[rows].sum(axis=1).max()
     best = rows[np.argsort(assign_parts(rows, home, sizes), kind="stable")]
-    best = tie_swaps(x, best, home, sizes)
+    best = tie_swaps(x, best, home, sizes)  # whole parts re-ordered, equal items traded: the same sums
     if w <= _HOME_START_MAX_PARTS:
         alt = rebalance_from_home(x, home, w, max_load, 4 * w + 32)
+        if alt is not None and x.dtype.kind == "f" and _exceeds(x, alt, _exact_max(x, rows)):
+            alt = None  # the refinement's running float sums were an ulp or two off
         if alt is not None:
             alt = tie_swaps(x, alt, home, sizes)
             if stay_bytes(alt, home, sizes) > stay_bytes(best, home, sizes):
                 best = alt
     return best
+
+
+def _near_max(x: np.ndarray, rows: np.ndarray, limit: float) -> list[float]:
+    """Exact sums (``math.fsum``) of the parts whose numpy sum lies within rounding of ``limit`` or above."""
+    loads = x[rows].sum(axis=1)
+    slack = abs(limit) * 4 * rows.shape[1] * np.finfo(np.float64).eps
+    return [math.fsum(x[rows[i]].tolist()) for i in np.flatnonzero(loads >= limit - slack)]
+
+
+def _exact_max(x: np.ndarray, rows: np.ndarray) -> float:
+    """The max part load of float ``rows``, summed exactly."""
+    return max(_near_max(x, rows, float(x[rows].sum(axis=1).max())))
+
+
+def _exceeds(x: np.ndarray, rows: np.ndarray, limit: float) -> bool:
+    """Whether a part of float ``rows`` sums, exactly, to more than ``limit``."""
+    return any(t > limit for t in _near_max(x, rows, limit))
 
 
 def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
@@ -215,8 +235,15 @@ def localize(parts: Sequence[Sequence[int]], workloads: Any, home: Any,
     w = len(parts)
     x = as_workloads(workloads, max(w, 1))
     n = x.size
-    rows = np.asarray(parts, dtype=np.int64).reshape(w, -1) if w else np.zeros((0, 0), np.int64)
-    if rows.size != n or not np.array_equal(np.sort(rows.ravel()), np.arange(n)):
+    try:
+        given = np.asarray(parts) if w else np.zeros((0, 0), np.int64)
+    except ValueError:  # ragged
+        given = np.zeros(0)
+    if given.ndim != 2 or (given.dtype.kind not in "iu" and given.size) or given.size != n:
+        raise ValueError(f"parts must be {w} lists of {n // max(w, 1)} int indices forming a "
+                         f"permutation of range({n})")
+    rows = given.astype(np.int64)
+    if not np.array_equal(np.sort(rows.ravel()), np.arange(n)):
         raise ValueError(f"parts must be {w} lists of {n // max(w, 1)} indices forming a "
                          f"permutation of range({n})")
     h, s = check_home(home, sizes, n, w)
