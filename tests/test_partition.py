@@ -160,6 +160,10 @@ def test_determinism_and_input_types() -> None:
     assert balanced_partition(x.astype(np.int32), w) == first
     assert karmarkar_karp(torch.from_numpy(x), w) == karmarkar_karp(x.tolist(), w)
     assert lower_bound(torch.from_numpy(x), w) == lower_bound(x, w)
+    # CPU tensors numpy cannot take as they are: bfloat16 (TypeError) and ones that require grad
+    y = x.astype(np.float64)
+    for t in (torch.from_numpy(y).to(torch.bfloat16), torch.from_numpy(y).float().requires_grad_()):
+        assert balanced_partition(t, w) == balanced_partition(t.detach().double().numpy(), w)
 
 
 @pytest.mark.parametrize("w,b", [(1, 5), (5, 1), (4, 4), (3, 7)])
@@ -258,6 +262,11 @@ def test_errors() -> None:
         balanced_partition(["a", "b"], 2)
     with pytest.raises(ValueError, match=r"expected < 2\*\*61"):
         balanced_partition([1 << 62, 1 << 62], 2)
+    with pytest.raises(ValueError, match=r"workloads sum to 2.30584e\+18, expected < 2\*\*61"):
+        balanced_partition([1 << 60, 1 << 60], 1)
+    # below the limit by 1: accepted (float64 sums rounded these totals up to 2**61)
+    assert balanced_partition([(1 << 61) - 1], 1) == [[0]]
+    assert balanced_partition([1 << 60, (1 << 60) - 1], 2) == [[0], [1]]
     with pytest.raises(TypeError, match=r"num_parts=2.0, expected an int"):
         balanced_partition([1, 2], 2.0)  # type: ignore[arg-type]
 
@@ -1325,6 +1334,11 @@ def test_token_cap_with_home_still_holds() -> None:
 
 
 def test_token_cap_errors() -> None:
+    # one item a part, or one part: every partition has the same part tokens; it
+    # said "one within the cap may exist that the search missed"
+    for x, w, t in (([1, 2], 2, [5, 1]), ([1, 2], 1, [5, 1])):
+        with pytest.raises(ValueError, match=r"max_tokens=4 cannot be met: every partition into "):
+            balanced_partition(x, w, tokens=t, max_tokens=4)
     x, lens = _zipf_tokens(8, 0)
     floor = lower_bound(lens, 8)
     with pytest.raises(ValueError, match=r"max_tokens=.* cannot be met: every partition into 8 "

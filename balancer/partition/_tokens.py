@@ -260,6 +260,9 @@ def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
     if best > cap:
         if floor is None:
             floor = _token_floor(tok, w)
+        if floor >= best:  # the best found is the minimum (one item or one part a part: forced)
+            raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+                             f"{tok.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
         # The cap is at or above the proven minimum here: the search missed
         # it (a cap below the minimum is refused before the search).
         raise ValueError(f"max_tokens={cap:g} was not met: the best partition found has {best} "

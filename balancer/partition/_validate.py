@@ -26,7 +26,7 @@ def check_num_parts(num_parts: int) -> None:
 def as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np.ndarray:
     """Validate and convert to int64 (integer input) or float64 (float input)."""
     check_num_parts(num_parts)
-    arr = np.asarray(workloads)
+    arr = _as_array(workloads)
     if arr.ndim != 1:
         raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected 1-D [N]")
     n = arr.size
@@ -47,9 +47,27 @@ def as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np.
     if n and x.min() < 0:
         i = int(np.argmin(x))
         raise ValueError(f"{name}[{i}] = {x[i]}, expected >= 0")
-    if n and float(x.sum(dtype=np.float64)) >= MAX_TOTAL:
-        raise ValueError(f"{name} sum to {float(x.sum(dtype=np.float64)):.3g}, expected < 2**61")
+    if n:
+        total: int | float = float(x.sum(dtype=np.float64))
+        if total >= MAX_TOTAL * (1 - 1e-9) and x.dtype.kind == "i":
+            total = sum(x.tolist())  # near the limit, integers are judged by their exact total
+        if total >= MAX_TOTAL:
+            raise ValueError(f"{name} sum to {total:.6g}, expected < 2**61")
     return x
+
+
+def _as_array(values: Any) -> np.ndarray:
+    """``values`` as a numpy array; a CPU torch tensor also when it requires grad or
+    has a dtype numpy lacks (bfloat16, float8: as float64). Without importing torch."""
+    if type(values).__module__.split(".")[0] == "torch" and hasattr(values, "detach"):
+        t = values.detach()
+        if t.is_floating_point() and str(t.dtype) not in _NUMPY_FLOATS:
+            t = t.double()
+        return np.asarray(t.numpy())
+    return np.asarray(values)
+
+
+_NUMPY_FLOATS = ("torch.float16", "torch.float32", "torch.float64")
 
 
 def check_home(home: Any, sizes: Any, n: int, w: int) -> tuple[np.ndarray, np.ndarray]:
