@@ -9,6 +9,7 @@ internals).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +104,19 @@ class _Quadratic:
 
     def coefficients(self) -> tuple[float, float, float]:
         raise NotImplementedError
+
+    def _check_coefficients(self) -> None:
+        """Raise ``ValueError`` (at construction) where the settings give coefficients
+        float64 cannot hold: ``mlp_ratio=1e308`` or huge dimensions raised
+        ``OverflowError`` at every later call."""
+        try:
+            coefs = self.coefficients()
+            finite = all(math.isfinite(c) for c in coefs)
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"{type(self).__name__}: its cost coefficients (a, b, c) overflow float64; "
+                             "expected dimensions and ratios of a real model")
 
     def __call__(self, batch: BaseBatch) -> torch.Tensor:
         """Per-sample cost, int64 ``[batch.batch_size]`` on the batch's device."""

@@ -121,6 +121,7 @@ class TransformerCost(_Quadratic):
         v = self.vocab_size
         if not is_int(v, 0):
             raise ValueError(f"TransformerCost: vocab_size={v!r}, expected an int >= 0")
+        self._check_coefficients()
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], **overrides: Any) -> TransformerCost:

@@ -95,6 +95,7 @@ class HSTUAttentionCost(_Quadratic):
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_names", _names(self.feature_names))
         _positive_int(self, "hidden_dim", "num_heads", "head_dim", "linear_dim", "num_layers")
+        self._check_coefficients()
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)`` with ``FLOPs(L) = a L^2 + b L + c``."""
@@ -158,6 +159,7 @@ class SelfAttentionCost(_Quadratic):
         _positive_int(self, "head_dim")
         if not (math.isfinite(self.mlp_ratio) and self.mlp_ratio >= 0):
             raise ValueError(f"SelfAttentionCost: mlp_ratio={self.mlp_ratio!r}, expected a finite float >= 0")
+        self._check_coefficients()
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)`` with ``FLOPs(L) = a L^2 + b L + c``."""
@@ -211,12 +213,24 @@ class PolynomialCost(_Quadratic):
         object.__setattr__(self, "feature_names", _names(self.feature_names))
         for f in ("a", "b", "c"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not _finite_float(v):
                 raise ValueError(f"PolynomialCost: {f}={v!r}, expected a finite number")
+            if isinstance(v, (np.integer, np.floating)):
+                object.__setattr__(self, f, float(v))  # a plain float (the dataclass is frozen)
+        self._check_coefficients()
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)``."""
         return float(self.a), float(self.b), float(self.c)
+
+
+def _finite_float(v: Any) -> bool:
+    """Whether ``v`` is finite as a float64 (``10**400`` is not: it raised OverflowError)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 # ------------------------------------------------------------ calibration
@@ -280,7 +294,8 @@ def fit_polynomial(
         A :class:`Calibration`; ``.to_cost(names)`` gives the estimator.
 
     Raises:
-        ValueError: invalid inputs or fewer than ``degree + 1`` distinct lengths.
+        ValueError: invalid inputs, fewer than ``degree + 1`` distinct lengths,
+            or coefficients that overflow float64 at this ``scale``.
     """
     lx = np.asarray(lengths, dtype=np.float64).reshape(-1)
     ty = np.asarray(times, dtype=np.float64).reshape(-1)
@@ -294,12 +309,19 @@ def fit_polynomial(
         raise ValueError(f"{n} distinct lengths, expected >= degree + 1 = {degree + 1}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r}, expected a finite float > 0")
-    x = np.stack([lx**2, lx, np.ones_like(lx)], axis=1)[:, 2 - degree :]
+    # Fit in units of the longest length and the longest time (L = l_max u,
+    # t = t_max s), so that no input scale over- or underflows the squares:
+    # times of 1e300 or denormals and lengths of 1e160 raised OverflowError
+    # or LinAlgError. The coefficients are scaled back at the end.
+    l_max = float(lx.max(initial=0.0)) or 1.0
+    t_max = float(ty.max(initial=0.0)) or 1.0
+    u, st = lx / l_max, ty / t_max
+    x = np.stack([u**2, u, np.ones_like(u)], axis=1)[:, 2 - degree :]
     k = x.shape[1]
-    w = np.ones_like(ty)
-    if relative and (ty > 0).any():
-        w = 1.0 / np.maximum(ty, ty[ty > 0].min())
-    xw, tw = x * w[:, None], ty * w
+    w = np.ones_like(st)
+    if relative and (st > 0).any():
+        w = 1.0 / np.maximum(st, st[st > 0].min())
+    xw, tw = x * w[:, None], st * w
     best, best_res = np.zeros(k), float(tw @ tw)
     for mask in range(1, 2**k):
         cols = [i for i in range(k) if mask >> i & 1]
@@ -311,14 +333,19 @@ def fit_polynomial(
         if res < best_res:
             best, best_res = sol, res
     full = np.concatenate([np.zeros(3 - k), best])
-    abs_res = float(np.sum((x @ best - ty) ** 2))
-    ss_tot = float(np.sum((ty - ty.mean()) ** 2))
+    abs_res = float(np.sum((x @ best - st) ** 2))  # in units of t_max^2
+    ss_tot = float(np.sum((st - st.mean()) ** 2))
     # Equal times leave rounding in both sums (~1e-36 for 7e-3 s): below this
     # they are zero, or R^2 of an exact fit came out as 0 or -3.
-    noise = ty.size * (1e-12 * float(np.abs(ty).max(initial=0.0))) ** 2
+    noise = st.size * (1e-12 * float(np.abs(st).max(initial=0.0))) ** 2
     r2 = 1.0 - abs_res / ss_tot if ss_tot > noise else float(abs_res <= noise)
-    a, b, c = (float(v) * scale for v in full)
-    return Calibration(a=a, b=b, c=c, rmse=math.sqrt(abs_res / ty.size), r2=r2, scale=scale)
+    a, b, c = (float(v) * t_max * scale for v in full)  # Python floats: inf on overflow, never raise
+    a, b = a / l_max / l_max, b / l_max
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise ValueError(f"the fitted coefficients (a, b, c) = ({a:g}, {b:g}, {c:g}) overflow float64 at "
+                         f"scale={scale:g} with times up to {t_max:g} and lengths up to {l_max:g}; "
+                         "pass a smaller scale or times in larger units")
+    return Calibration(a=a, b=b, c=c, rmse=t_max * math.sqrt(abs_res / st.size), r2=r2, scale=scale)
 
 
 def measure_times(
@@ -361,8 +388,16 @@ def calibrate(
 
     Returns:
         ``PolynomialCost(feature_names, a, b, c, **cost_kwargs)``.
+
+    Raises:
+        ValueError: as :func:`measure_times` and :func:`fit_polynomial`, or every
+            measured time is 0.
     """
     times = measure_times(measure_fn, lengths, repeats=repeats, warmup=warmup, clock=clock)
+    if not any(t > 0 for t in times):
+        # A cost of 0 for every sample would silently turn balancing off.
+        raise ValueError(f"every measured time is 0 ({len(times)} lengths): the clock did not advance "
+                         "across measure_fn (too coarse a clock, or measure_fn does no work)")
     cal = fit_polynomial(lengths, times, degree=degree, nonneg=True, scale=scale)
     logger.info("calibrated cost %.4g L^2 + %.4g L + %.4g (R^2=%.4f)", cal.a, cal.b, cal.c, cal.r2)
     if cal.r2 < 0.9:

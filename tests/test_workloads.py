@@ -11,6 +11,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer.batch import BaseBatch
+from balancer.transformer_cost import TransformerCost
 from balancer.workloads import (
     MAX_COST,
     HSTUAttentionCost,
@@ -215,11 +216,21 @@ def test_large_lengths_no_overflow() -> None:
         lambda: TokenCount([]),
         lambda: TokenCount(["s", "s"]),
         lambda: PolynomialCost(["s"], a=float("nan")),
+        # OverflowError at construction (10**400) or at every later call (the others)
+        lambda: PolynomialCost(["s"], a=10**400),
+        lambda: SelfAttentionCost(["s"], 12, 3, mlp_ratio=1e308),
+        lambda: HSTUAttentionCost(["s"], 10**160, 10**160, 4, 4),
+        lambda: TransformerCost(hidden_size=10**200, intermediate_size=8, num_layers=1, num_heads=1),
     ],
 )
 def test_constructor_validation(make: object) -> None:
     with pytest.raises(ValueError, match="expected|duplicates|divisible"):
         make()  # type: ignore[operator]
+
+
+def test_polynomial_cost_takes_numpy_numbers() -> None:
+    cost = PolynomialCost(["s"], a=np.int64(2), b=np.float32(0.5), c=3)
+    assert cost.coefficients() == (2.0, 0.5, 3.0) and type(cost.a) is float and type(cost.c) is int
 
 
 def test_single_name_string_and_hashable() -> None:
@@ -327,6 +338,26 @@ def test_calibrate_with_deterministic_measure_fn() -> None:
     assert (cost.a, cost.b, cost.c) == pytest.approx((2.0, 100.0, 5000.0), rel=1e-6)
     batch = make_batch({"item": [3, 0, 0]}, actual_batch_size=2)  # L = 6 (interleaved), 0
     assert cost(batch).tolist() == [2 * 36 + 600 + 5000, 5000, 0]
+
+
+def test_fit_is_scale_free_and_overflow_is_named() -> None:
+    # Times of 1e300 s raised OverflowError, denormal times and lengths of 1e160
+    # LinAlgError; the fit now runs in units of the largest length and time.
+    times = (3.0 * LENGTHS**2 + 50.0 * LENGTHS + 1000.0) * 1e-9
+    ref = fit_polynomial(LENGTHS, times)
+    for t_unit, l_unit in ((1e-300, 1.0), (1e-310 / 1e-3, 1.0), (1.0, 1e150)):
+        cal = fit_polynomial(LENGTHS * l_unit, times * t_unit, scale=1.0)
+        got = (cal.a * l_unit**2 / t_unit, cal.b * l_unit / t_unit, cal.c / t_unit)
+        assert got == pytest.approx((ref.a / 1e9, ref.b / 1e9, ref.c / 1e9), rel=1e-6), (t_unit, l_unit)
+        assert cal.r2 == pytest.approx(ref.r2)
+    with pytest.raises(ValueError, match=r"overflow float64 at scale=1e\+09 with times up to 1e\+300"):
+        fit_polynomial(LENGTHS, times / times.max() * 1e300)
+    assert fit_polynomial(LENGTHS, times / times.max() * 1e300, scale=1e-9).c > 0
+
+
+def test_calibrate_refuses_a_clock_that_never_advances() -> None:
+    with pytest.raises(ValueError, match="every measured time is 0"):
+        calibrate(lambda length: None, [1, 2, 4], ["s"], clock=lambda: 0.0)
 
 
 def test_measure_times_median() -> None:
