@@ -152,7 +152,7 @@ def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
     cap = token_cap(t, w, max_tokens)
     floor = _token_floor(t, w)
     if cap < floor:
-        raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+        raise ValueError(f"max_tokens={cap!r} cannot be met: every partition into {w} parts of "
                          f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
     v = sol.vals
     target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
@@ -261,11 +261,11 @@ def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
         if floor is None:
             floor = _token_floor(tok, w)
         if floor >= best:  # the best found is the minimum (one item or one part a part: forced)
-            raise ValueError(f"max_tokens={cap:g} cannot be met: every partition into {w} parts of "
+            raise ValueError(f"max_tokens={cap!r} cannot be met: every partition into {w} parts of "
                              f"{tok.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
         # The cap is at or above the proven minimum here: the search missed
         # it (a cap below the minimum is refused before the search).
-        raise ValueError(f"max_tokens={cap:g} was not met: the best partition found has {best} "
+        raise ValueError(f"max_tokens={cap!r} was not met: the best partition found has {best} "
                          f"tokens in a part and no partition has fewer than {floor}; one within "
                          "the cap may exist that the search missed")
 
