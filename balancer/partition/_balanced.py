@@ -78,7 +78,8 @@ def balanced_partition(workloads: Any, num_parts: int, home: Any = None, sizes: 
             ``max_tokens`` not a finite number >= 0, below what any
             partition can meet, or not met by the search (the message names
             the cap, the proven minimum and the best found: a cap between
-            the two may be reachable). Integer tokens are compared exactly,
+            the two may be reachable; up to 12 items every partition is
+            tried, and none meets it). Integer tokens are compared exactly,
             float tokens by each part's correctly rounded sum.
     """
     out: list[list[int]] = localized_rows(workloads, num_parts, home, sizes, rtol=rtol, deadline_ms=deadline_ms,
