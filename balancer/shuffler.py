@@ -341,8 +341,9 @@ class BatchShuffler(ShufflerBase):
             A batch of the same type and ``batch_size``: the real samples this
             rank was assigned (ascending global index), then padding;
             ``actual_batch_size`` is their count. When no sample moves anywhere,
-            ``batch`` itself (a padded ``TokenBatch`` cut or padded to its
-            longest sample rounded up to ``pad_multiple``, as a shuffle gives).
+            ``batch`` itself; a padded ``TokenBatch`` with new token tensors,
+            cut or padded to its longest sample rounded up to ``pad_multiple``
+            and its padding positions set to ``pad_values``, as a shuffle gives.
 
         Raises:
             ValueError: on every rank, when any rank's input or configuration
