@@ -53,9 +53,17 @@ class Agreement:
 
 
 def payload_words(a: Agreement | None) -> int:
-    """int64 words of the payload under ``a`` (0 before any agreement)."""
+    """int64 words of the payload under ``a`` (1 before any agreement).
+
+    Before an agreement a message is its header and one spare word: as long as
+    the first gather of ``group_size`` (every rank's header and load), so that
+    ranks whose ``group_size`` differs (one grouped, one not) meet in
+    collectives of one size and learn of it from the configuration
+    fingerprint. With no spare word gloo aborted the process on the size
+    mismatch (``op.preamble.length <= op.nbytes``).
+    """
     if a is None:
-        return 0
+        return 1
     return a.batch_size + (a.num_lengths * a.batch_size + 1) // 2
 
 

@@ -257,6 +257,33 @@ def test_a_stalled_peer_is_named_with_groups() -> None:
         assert outs[r] == ("aborted", ("phase 2", [3])), (r, outs[r])
 
 
+def _group_size_mismatch_worker(rank: int, w: int) -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, mine, others in (("none_vs_2", None, 2), ("2_vs_none", 2, None), ("3_vs_4", 3, 4)):
+        s = BatchShuffler(token_count, group_size=mine if rank == 0 else others, timeout=20.0)
+        batch = make_batch(rank, 6, 6, seed=7)
+        try:
+            s.shuffle(batch)
+            out[name] = ("ok", "")
+        except ValueError as e:
+            out[name] = ("ValueError", str(e))
+        s.close()
+    return out
+
+
+def test_ranks_that_disagree_on_group_size_raise_on_every_rank() -> None:
+    # A grouped rank first gathers headers and loads, an ungrouped one whole
+    # messages: gloo aborted a process on the size mismatch (SIGABRT) and the
+    # others raised ShuffleAbortedError. Now the first gathers have one size.
+    outs = run_workers(_group_size_mismatch_worker, 4, timeout=120)
+    for name, (mine, others) in {"none_vs_2": ("None", "2"), "2_vs_none": ("2", "None"),
+                                 "3_vs_4": ("3", "4")}.items():
+        for out in outs:
+            kind, msg = out[name]
+            assert kind == "ValueError" and msg == outs[0][name][1], (name, out)
+            assert f"'group_size': rank 0: '{mine}'; ranks [1, 2, 3]: '{others}'" in msg, msg
+
+
 def _bytes_worker(rank: int, w: int) -> int:
     """Words this rank received in phase 1 (counted on the collectives' outputs)."""
     import balancer._comm as comm
