@@ -157,10 +157,36 @@ def run_workers_outcomes(
     Returns:
         Per rank, its return value or a :class:`WorkerError`.
 
+    A launch whose rank 0 finds the rendezvous port taken (another process
+    bound it after :func:`free_port` chose it; no rank has run ``fn``) is
+    killed and launched again on a new port, up to ``_PORT_TRIES`` times; the
+    other ranks used to wait in the rendezvous until ``timeout``.
+
     Raises:
         TimeoutError: if some rank has not finished after ``timeout`` seconds
             (all ranks are then killed) -- a hang is a failure, never a wait.
+        RuntimeError: the port was taken at every launch.
     """
+    for attempt in range(1, _PORT_TRIES + 1):
+        try:
+            return _launch(fn, world_size, args, timeout, backend)
+        except _PortTaken as e:  # between free_port() and rank 0's bind, another process took it
+            if attempt == _PORT_TRIES:
+                raise RuntimeError(f"rank 0 found its rendezvous port taken (EADDRINUSE) in {attempt} "
+                                   "launches in a row") from e
+    raise AssertionError("unreachable")
+
+
+_PORT_TRIES = 3  # launches tried where rank 0 finds its rendezvous port taken (EADDRINUSE)
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port: no rank ran ``fn``; launch again."""
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float,
+            backend: str) -> list[Any]:
+    """One launch of :func:`run_workers_outcomes` on a fresh port."""
     ctx = _mp_context()
     q = ctx.Queue()
     port = free_port()
@@ -175,6 +201,9 @@ def run_workers_outcomes(
     timed_out = False
     try:
         _collect(q, procs, results, timeout, stacks_dir)
+    except _PortTaken:
+        timed_out = True  # the other ranks wait in the rendezvous: kill them at once
+        raise
     except queue.Empty as e:
         timed_out = True
         missing = sorted(set(range(world_size)) - set(results))
@@ -225,6 +254,8 @@ def _collect(q: Any, procs: list[Any], results: dict[int, Any], timeout: float, 
         try:
             rank, out = q.get(timeout=min(0.5, limit - now))
             results[rank] = out
+            if isinstance(out, WorkerError) and out.type_name == "DistNetworkError" and "EADDRINUSE" in out.message:
+                raise _PortTaken
             continue
         except queue.Empty:
             pass

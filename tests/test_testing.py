@@ -79,3 +79,29 @@ def test_a_dead_rank_is_reported_at_once_not_at_the_timeout() -> None:
     assert isinstance(outs[0], WorkerError), outs
     if outs[0].type_name == "WorkerAbandoned":
         assert "_exit_on_rank1" in outs[0].traceback, outs
+
+
+def test_a_taken_rendezvous_port_is_launched_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process took the port between free_port() and rank 0's bind (seen
+    # beside a parallel run): rank 0 failed with EADDRINUSE and the other ranks
+    # waited in the rendezvous until the timeout.
+    import socket
+
+    import balancer.testing as testing
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = [held.getsockname()[1]]
+    real = testing.free_port
+    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        t0 = time.perf_counter()
+        assert run_workers(_sum_ranks, 3, timeout=60) == [6, 6, 6]
+        assert time.perf_counter() - t0 < 30 and not ports  # the taken port was tried first
+        ports.append(held.getsockname()[1])
+        monkeypatch.setattr(testing, "_PORT_TRIES", 1)
+        with pytest.raises(RuntimeError, match=r"rendezvous port taken \(EADDRINUSE\) in 1 launches"):
+            run_workers(_sum_ranks, 2, timeout=60)
+    finally:
+        held.close()
