@@ -18,7 +18,9 @@ class ShuffleStats:
     """Statistics of one finished shuffle, seen from one rank.
 
     Loads are sums of real samples' workloads, in the units ``workload_fn``
-    returns (padding counts 0). Balance numbers are global (equal on every
+    returns (padding counts 0); with ``calibrate=True``, once a fitted model
+    partitions (``calibration`` set), that model's costs in seconds: the loads,
+    bound and imbalance are then the ones the partition balanced. Balance numbers are global (equal on every
     rank; with ``group_size``, the group's); traffic and times are this rank's.
 
     Attributes:
