@@ -294,13 +294,15 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
     r = meta.rank
     if lengths.size and (lengths.min() < 0 or lengths.max() > MAX_LENGTH):
         meta.status |= Status.BAD_LENGTHS
+    # A bad length first: it is the cause where workload_fn turned it into a bad
+    # workload (a negative seq_lens was reported as a negative workload).
+    if meta.status & Status.BAD_LENGTHS:
+        _fail(meta, 0, f"a {'seq_lens' if meta.layout is not None and meta.layout.is_tokens else 'KJT'} length "
+              f"is negative or >= 2**31 (rank {r})")
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")
     if meta.status & Status.NONFINITE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected a finite value (rank {r})")
-    if meta.status & Status.BAD_LENGTHS:
-        _fail(meta, 0, f"a {'seq_lens' if meta.layout is not None and meta.layout.is_tokens else 'KJT'} length "
-              f"is negative or >= 2**31 (rank {r})")
     layout = meta.layout
     if layout is None or meta.status:
         return

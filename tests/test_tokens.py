@@ -412,3 +412,15 @@ def test_a_sample_longer_than_the_padded_length_fails_whatever_the_width(width: 
     for kind, msg in run_workers(_too_long_worker, 2, width, timeout=120):
         assert kind == "ValueError" and "seq_lens has a sample of 5 tokens, longer than the padded length 4 of " \
             "tokens['e'] (rank 0)" in msg, msg
+
+
+def test_a_negative_length_is_named_before_the_workload_it_made_negative() -> None:
+    # workload_fn = seq_lens turned seq_lens[0] = -1 into workloads[0] = -1.0,
+    # and that was the error reported instead of its cause.
+    batch = token_batch(0, 4, 3, seed=1, packed=False)
+    batch.seq_lens[0] = -1
+    s = BatchShuffler(lambda b: b.seq_lens.double())
+    with pytest.raises(ValueError, match=r"invalid shuffle input on rank\(s\) \[0\]: a seq_lens length is "
+                                         r"negative or >= 2\*\*31 \(rank 0\)"):
+        s.shuffle(batch)
+    s.close()
