@@ -26,6 +26,7 @@ from balancer._layout import WireLayout
 from balancer._protocol import NO_PREV, LocalMeta, message, reraise, stay_length
 from balancer._stats import ShuffleStats, build_stats, format_stats
 from balancer.batch import BaseBatch
+from balancer.errors import ShuffleAbortedError
 from balancer.tokens import TokenBatch
 
 logger = logging.getLogger("balancer.shuffler")  # the shufflers' log, as before the split
@@ -199,6 +200,9 @@ class ShufflerBase:
             return handle._job.result(timeout=limit)
         except CancelledError:
             raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
+        except ShuffleAbortedError as e:  # every later call: closed
+            self._broken = self._broken or e
+            raise
         except concurrent.futures.TimeoutError:
             err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
                                f"within {limit:.0f} s (the partition child or a collective is stuck)")

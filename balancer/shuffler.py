@@ -258,6 +258,7 @@ class BatchShuffler(ShufflerBase):
         self._config_fp = fingerprint(self._config)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
+        self._setup_error: ShuffleAbortedError | None = None  # the groups' creation timed out
         self._agreed: dict[str, Agreement] = {}  # background thread only
         # Background thread only: (seq, plan digest, lowest rank of the planning group or -1).
         self._prev: dict[str, tuple[int, int, int]] = {}
@@ -270,6 +271,10 @@ class BatchShuffler(ShufflerBase):
         creates your other process groups when shuffles will run elsewhere
         (e.g. in a data-loading thread). A no-op without torch.distributed or
         with one rank.
+
+        Raises:
+            ShuffleAbortedError: a peer did not connect within ``timeout``; the
+                shuffler is closed.
         """
         self._check_open()
         group, w, _ = _comm.resolve_group(pg)
@@ -325,7 +330,12 @@ class BatchShuffler(ShufflerBase):
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
             else:
-                job = self._pool().submit(self._job, meta, self._groups_for(group))
+                try:
+                    groups = self._groups_for(group)
+                except ShuffleAbortedError as e:  # reported by finish_shuffle, as a stalled peer's always is
+                    job = self._pool().submit(_raise, e)
+                else:
+                    job = self._pool().submit(self._job, meta, groups)
         return self._register(ShuffleHandle(self._next_seq, w, rank, perf_counter() - t0, self._token, job, meta))
 
     def finish_shuffle(self, batch: BatchT, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> BatchT:
@@ -589,9 +599,30 @@ class BatchShuffler(ShufflerBase):
                 "depend only on its arguments")
 
     def _groups_for(self, group: Any) -> ShuffleGroups:
+        """The shuffler's groups over ``group``, created at the first shuffle (or ``connect``).
+
+        Raises:
+            ShuffleAbortedError: creating them timed out (a peer never reached its
+                first shuffle: the gloo rendezvous raised ``DistStoreError``); again
+                at every later call.
+        """
+        if self._setup_error is not None:
+            raise self._setup_error
         groups = self._groups.get(id(group))
         if groups is None or groups.user is not group:
-            groups = self._groups[id(group)] = _comm.create_groups(group, self.timeout)
+            try:
+                groups = _comm.create_groups(group, self.timeout)
+            except RuntimeError as e:
+                seq, rank = self._next_seq, dist.get_rank(group)
+                err = ShuffleAbortedError(
+                    f"BatchShuffler: shuffle #{seq} aborted in phase 1 on rank {rank}: the shuffler's groups "
+                    f"were not set up within its timeout of {self.timeout:g} s: a rank never started its "
+                    "first shuffle (stalled, dead, or not calling the shuffler in step with the others); "
+                    f"the shuffler is closed ({type(e).__name__}: {e})", seq=seq, phase="phase 1", missing=None)
+                err.__cause__ = e
+                self._setup_error = err
+                raise err from e
+            self._groups[id(group)] = groups
         return groups
 
     def _child(self) -> PartitionWorker:
@@ -602,6 +633,11 @@ class BatchShuffler(ShufflerBase):
         if self._worker is None:
             self._worker = PartitionWorker()  # closes itself when garbage collected
         return self._worker
+
+
+def _raise(error: BaseException) -> Any:
+    """A background job that fails with ``error`` (for finish_shuffle to raise)."""
+    raise error
 
 
 def _canonical_length(batch: Any, length: int) -> Any:

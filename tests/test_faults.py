@@ -210,6 +210,34 @@ def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, A
     return type(err).__name__, str(err), dt, (err.phase, err.missing), later[:2]
 
 
+def _first_start_worker(rank: int, w: int) -> tuple[Any, ...]:
+    s = BatchShuffler(token_count, timeout=TIMEOUT)
+    batch = make_batch(rank, 8, 8, seed=3)
+    if rank == 1:  # never reaches its first shuffle (e.g. a slow first data load)
+        time.sleep(TIMEOUT + 3)
+        return ("slept",)
+    t0 = time.perf_counter()
+    h = s.start_shuffle_async(batch)  # does not raise: the error is finish_shuffle's
+    try:
+        s.finish_shuffle(batch, h)
+        return ("ok",)
+    except ShuffleAbortedError as e:
+        later = _outcome(lambda: s.shuffle(batch))
+        time.sleep(TIMEOUT)  # rank 0 hosts the store: stay up while the peer is still asleep
+        return (type(e).__name__, e.phase, str(e), time.perf_counter() - t0, later[:2])
+
+
+def test_a_peer_that_never_reaches_the_first_shuffle_is_reported_by_finish() -> None:
+    # The shuffler's groups are created at the first shuffle: a peer that never
+    # came made start_shuffle_async itself raise a raw DistStoreError.
+    out = run_workers(_first_start_worker, 2, timeout=60)[0]
+    kind, phase, msg, dt, later = out
+    assert (kind, phase) == ("ShuffleAbortedError", "phase 1"), out
+    assert "the shuffler's groups were not set up within its timeout of 3 s" in msg, msg
+    assert dt < TIMEOUT + 10, dt
+    assert later[0] == "RuntimeError" and "closed after an aborted shuffle" in later[1], later
+
+
 @pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
 def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> None:
     outs = run_workers_outcomes(_stall_worker, 2, mode, timeout=60)
