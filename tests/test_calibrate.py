@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,10 @@ def test_nnls_small_is_exact_and_non_negative() -> None:
 
 
 def _observations(rng: np.random.Generator, steps: int, w: int, fit: OnlineFit, truth: np.ndarray,
-                  outliers: float = 0.0, equal_counts: bool = False, w_is_length: bool = False) -> None:
+                  outliers: float = 0.0, equal_counts: bool = False, w_is_length: bool = False,
+                  corrupt: Callable[[int, np.ndarray], None] | None = None) -> None:
+    """``steps`` shuffles' features and noisy times; ``corrupt(seq, times)`` may
+    change a step's times before they are observed."""
     for seq in range(steps):
         lengths = rng.zipf(1.3, w * 16).clip(1, 2048)
         dest = rng.permutation(np.repeat(np.arange(w), 16)) if equal_counts else rng.integers(0, w, w * 16)
@@ -37,6 +41,8 @@ def _observations(rng: np.random.Generator, steps: int, w: int, fit: OnlineFit, 
         times = 0.01 + feats @ truth
         times *= 1 + rng.normal(0, 0.02, w)
         times[rng.random(w) < outliers] *= 3  # a preempted rank
+        if corrupt is not None:
+            corrupt(seq, times)
         fit.observe(np.full(w, seq), times)
 
 
@@ -69,18 +75,13 @@ def test_a_misread_tiny_time_is_an_outlier_not_a_broken_fit(bad: float) -> None:
     # One rank reporting 5e-324 s once (record_compute takes any finite time
     # > 0) overflowed 1 / time to inf: every later fit raised LinAlgError and
     # every shuffle failed; 1e-200 made the fit find nothing (calibration off).
+    def misread(seq: int, times: np.ndarray) -> None:
+        if seq == 3:
+            times[0] = bad
+
     clean, hit = OnlineFit(min_observations=16), OnlineFit(min_observations=16)
-    for fit, tiny in ((clean, False), (hit, True)):
-        rng = np.random.default_rng(0)
-        for seq in range(10):
-            lengths = rng.zipf(1.3, 8 * 16).clip(1, 2048)
-            feats = features(np.zeros(lengths.size), lengths, rng.integers(0, 8, 8 * 16),
-                             np.ones(lengths.size, bool), 8)
-            fit.record(seq, feats)
-            times = (0.01 + feats @ TRUTH) * (1 + rng.normal(0, 0.02, 8))
-            if tiny and seq == 3:
-                times[0] = bad
-            fit.observe(np.full(8, seq), times)
+    _observations(np.random.default_rng(0), 10, 8, clean, TRUTH)
+    _observations(np.random.default_rng(0), 10, 8, hit, TRUTH, corrupt=misread)
     model, ref = hit.fit(), clean.fit()
     assert model is not None and ref is not None
     assert model.observations == ref.observations - 1  # that one time dropped, every other kept
@@ -99,15 +100,12 @@ def test_one_step_reported_far_too_short_costs_few_good_observations() -> None:
         rng = np.random.default_rng(seed)
         fit = OnlineFit(min_observations=16)
         bad = int(rng.integers(0, 80))
-        for seq in range(10):
-            lengths = rng.zipf(1.3, 8 * 16).clip(1, 2048)
-            feats = features(np.zeros(lengths.size), lengths, rng.integers(0, 8, 8 * 16),
-                             np.ones(lengths.size, bool), 8)
-            fit.record(seq, feats)
-            times = (0.01 + feats @ TRUTH) * (1 + rng.normal(0, 0.02, 8))
+
+        def too_short(seq: int, times: np.ndarray, bad: int = bad) -> None:
             if bad // 8 == seq:
                 times[bad % 8] *= 0.01
-            fit.observe(np.full(8, seq), times)
+
+        _observations(rng, 10, 8, fit, TRUTH, corrupt=too_short)
         model = fit.fit()
         assert model is not None
         got = model.costs(np.zeros(lengths_out.size), lengths_out)

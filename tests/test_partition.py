@@ -1352,18 +1352,6 @@ def test_token_cap_errors() -> None:
         balanced_partition(x, 8, tokens=np.r_[-1, np.ones(255)])
 
 
-def _all_partitions(n: int, b: int) -> list[list[list[int]]]:
-    """Every partition of range(n) into parts of b (written here, not the library's)."""
-    if n == 0:
-        return [[]]
-    out = []
-    for combo in itertools.combinations(range(1, n), b - 1):
-        rest = [i for i in range(1, n) if i not in combo]
-        for tail in _all_partitions(len(rest), b):
-            out.append([[0, *combo], *[[rest[i] for i in part] for part in tail]])
-    return out
-
-
 def test_token_cap_on_tiny_inputs_is_met_whenever_some_partition_meets_it() -> None:
     # The search is a heuristic: on 9 items it missed the only partition within
     # the default cap ("was not met"). Up to 12 items every partition is tried.
@@ -1374,10 +1362,10 @@ def test_token_cap_on_tiny_inputs_is_met_whenever_some_partition_meets_it() -> N
     for _ in range(150):
         w, b = [(3, 3), (2, 4), (4, 2), (3, 2), (2, 3)][int(rng.integers(0, 5))]
         x, t = rng.integers(1, 100, w * b), rng.integers(0, 20, w * b)
-        every = _all_partitions(w * b, b)
-        best_tokens = min(max(int(t[p].sum()) for p in parts) for parts in every)
+        every = list(_equal_partitions(w * b, w))
+        best_tokens = min(max(int(t[list(p)].sum()) for p in parts) for parts in every)
         cap = best_tokens + int(rng.integers(0, 3))
-        feasible = [parts for parts in every if max(int(t[p].sum()) for p in parts) <= cap]
+        feasible = [parts for parts in every if max(int(t[list(p)].sum()) for p in parts) <= cap]
         try:
             got = balanced_partition(x, w, tokens=t, max_tokens=cap)
         except ValueError:
@@ -1408,7 +1396,7 @@ def test_token_cap_is_compared_exactly() -> None:
     # once returned a part of 0.7000000000000001; every partition of these 9 items is tried
     with pytest.raises(ValueError, match=r"max_tokens=0.7 cannot be met: no partition into 3 parts of 3 .*all were tried"):
         balanced_partition(c9, 3, tokens=t9, max_tokens=0.7, rtol=0)
-    assert min(max(math.fsum(t9[i] for i in p) for p in parts) for parts in _all_partitions(9, 3)) > 0.7
+    assert min(max(math.fsum(t9[i] for i in p) for p in parts) for parts in _equal_partitions(9, 3)) > 0.7
     for bad in (float("inf"), float("nan"), -1, "5", True):
         with pytest.raises(ValueError, match=r"max_tokens=.*, expected a finite number >= 0"):
             balanced_partition([1, 2, 3, 4], 2, tokens=[1, 1, 1, 1], max_tokens=bad)  # type: ignore[arg-type]
