@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._ints import is_int
 from balancer._plan_layout import KJTPlan, PlanLayout, SectionPlan
-from balancer.tokens import TokenBatch, pad_value_problems
+from balancer.tokens import TokenBatch, holds, pad_value_problems
 
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",
@@ -231,7 +231,7 @@ def _pad(batch: TokenBatch, spec: DenseSpec) -> int | float | bool:
     names none or is invalid: :func:`scalar_problems` reports that)."""
     pads = batch.pad_values
     value = pads.get(spec.name, 0) if isinstance(pads, dict) else 0
-    if pad_value_problems({spec.name: torch.empty(0, dtype=spec.dtype)}, {spec.name: value}):
+    if not holds(spec.dtype, value):
         value = 0
     if spec.dtype == torch.bool:
         return bool(value)

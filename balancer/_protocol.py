@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from balancer._agreement import Agreement, payload_words
+from balancer._exchange import padded_length
 from balancer._header import H_MEAS_TIME, H_PAD_LEN, H_PREV_GROUP, HEADER_LEN, MAGIC
 from balancer._ints import as_count
 from balancer._layout import (
@@ -135,8 +136,7 @@ def stay_length(meta: LocalMeta) -> int:
     if layout is None or meta.host is None or not any(s.jagged and s.padded for s in layout.sections):
         return 0
     b = meta.batch_size
-    longest = int(meta.host[b : b + b].numpy()[: max(meta.real, 0)].max(initial=0))
-    return -(-longest // layout.pad_multiple) * layout.pad_multiple
+    return padded_length(int(meta.host[b : b + b].numpy()[: max(meta.real, 0)].max(initial=0)), layout.pad_multiple)
 
 
 def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:

@@ -171,8 +171,7 @@ class TokenBatch:
         def grow(t: torch.Tensor, value: int | float = 0) -> torch.Tensor:
             return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
 
-        pads = self.pad_values
-        tokens = self.tokens if self.packed else {k: grow(v, pads.get(k, 0)) for k, v in self.tokens.items()}
+        tokens = self.tokens if self.packed else {k: grow(v, pad_value(self, k)) for k, v in self.tokens.items()}
         return dataclasses.replace(self, batch_size=batch_size, seq_lens=grow(self.seq_lens), tokens=tokens,
                                    samples={k: grow(v) for k, v in self.samples.items()})
 
@@ -191,7 +190,7 @@ def _describe(t: object) -> str:
 def pad_value_problems(tokens: Any, pad_values: Any) -> list[str]:
     """What is wrong with ``pad_values`` for these ``tokens`` (empty: nothing):
     a dict naming token fields, each value a Python number the field's dtype
-    holds exactly (an int for integer fields, a bool for bool fields)."""
+    holds (:func:`holds`)."""
     if not isinstance(pad_values, dict):
         return [f"pad_values: a {type(pad_values).__name__}, expected a dict of token field name -> value"]
     out = []
@@ -201,9 +200,9 @@ def pad_value_problems(tokens: Any, pad_values: Any) -> list[str]:
             names = sorted(k for k in tokens if isinstance(k, str)) if isinstance(tokens, dict) else []
             out.append(f"pad_values: key {name!r} names no token field, expected one of {names}")
             continue
-        if not _holds(t.dtype, value):
+        if not holds(t.dtype, value):
             out.append(f"pad_values[{name!r}]={value!r} ({type(value).__name__}), expected a Python number "
-                       f"that tokens[{name!r}]'s dtype {t.dtype} holds exactly")
+                       f"that tokens[{name!r}]'s dtype {t.dtype} holds")
     return out
 
 
@@ -212,7 +211,7 @@ def pad_value(batch: TokenBatch, name: str) -> int | float:
     return batch.pad_values.get(name, 0)
 
 
-def _holds(dtype: torch.dtype, value: Any) -> bool:
+def holds(dtype: torch.dtype, value: Any) -> bool:
     """Whether ``dtype`` holds the Python number ``value``: exactly for integer and
     bool fields; for floating fields any int or float that does not overflow to
     an infinity (it rounds to the dtype, as ``torch.full`` does)."""
@@ -221,8 +220,7 @@ def _holds(dtype: torch.dtype, value: Any) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     if dtype.is_floating_point or dtype.is_complex:
-        real = torch.empty((), dtype=dtype).real.dtype
-        return not math.isfinite(value) or abs(value) <= torch.finfo(real).max
+        return not math.isfinite(value) or abs(value) <= torch.finfo(dtype.to_real()).max
     if not isinstance(value, int):
         return False
     info = torch.iinfo(dtype)
