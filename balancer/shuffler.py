@@ -619,7 +619,6 @@ class BatchShuffler(ShufflerBase):
                     f"were not set up within its timeout of {self.timeout:g} s: a rank never started its "
                     "first shuffle (stalled, dead, or not calling the shuffler in step with the others); "
                     f"the shuffler is closed ({type(e).__name__}: {e})", seq=seq, phase="phase 1", missing=None)
-                err.__cause__ = e
                 self._setup_error = err
                 raise err from e
             self._groups[id(group)] = groups

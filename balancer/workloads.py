@@ -218,7 +218,6 @@ class PolynomialCost(_Quadratic):
                 raise ValueError(f"PolynomialCost: {f}={v!r}, expected a finite number")
             if isinstance(v, (np.integer, np.floating)):
                 object.__setattr__(self, f, float(v))  # a plain float (the dataclass is frozen)
-        self._check_coefficients()
 
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)``."""
