@@ -148,8 +148,8 @@ def apply_token_cap(sol: Solved, t: np.ndarray, w: int, rtol: float,
     the one partition within the default cap of a 9-item instance)."""
     try:
         return _search_capped(sol, t, w, rtol, max_tokens, stop_at)
-    except ValueError as e:
-        if t.size > _EXACT_MAX_ITEMS or "was not met" not in str(e):
+    except CapMissed:
+        if t.size > _EXACT_MAX_ITEMS:
             raise
     cap = token_cap(t, w, max_tokens)
     tok = t[sol.order]
@@ -194,8 +194,7 @@ def _search_capped(sol: Solved, t: np.ndarray, w: int, rtol: float,
     cap = token_cap(t, w, max_tokens)
     floor = _token_floor(t, w)
     if cap < floor:
-        raise ValueError(f"max_tokens={cap!r} cannot be met: every partition into {w} parts of "
-                         f"{t.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
+        raise _cannot_meet(cap, w, t.size // w, floor)
     v = sol.vals
     target = sol.bound * (1 + rtol) if rtol > 0 else sol.bound
     tok = t[sol.order]
@@ -295,6 +294,17 @@ def part_tokens(tok: np.ndarray, rows: np.ndarray) -> list[int] | list[float]:
     return [math.fsum(r) for r in tok[rows].tolist()]
 
 
+class CapMissed(ValueError):
+    """The search found no partition within a cap at or above the proven minimum
+    (one may exist): a ``ValueError`` to the caller."""
+
+
+def _cannot_meet(cap: float, w: int, b: int, floor: int | float) -> ValueError:
+    """The error for a cap below what any partition into ``w`` parts of ``b`` meets."""
+    return ValueError(f"max_tokens={cap!r} cannot be met: every partition into {w} parts of "
+                      f"{b} has a part with >= {floor} tokens (lower_bound of tokens)")
+
+
 def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
                      floor: int | float | None) -> None:
     """Raise ``ValueError`` (cap, best found, proven minimum) if a part of ``rows`` exceeds ``cap``."""
@@ -303,11 +313,10 @@ def check_tokens_met(tok: np.ndarray, rows: np.ndarray, cap: float, w: int,
         if floor is None:
             floor = _token_floor(tok, w)
         if floor >= best:  # the best found is the minimum (one item or one part a part: forced)
-            raise ValueError(f"max_tokens={cap!r} cannot be met: every partition into {w} parts of "
-                             f"{tok.size // w} has a part with >= {floor} tokens (lower_bound of tokens)")
+            raise _cannot_meet(cap, w, tok.size // w, floor)
         # The cap is at or above the proven minimum here: the search missed
         # it (a cap below the minimum is refused before the search).
-        raise ValueError(f"max_tokens={cap!r} was not met: the best partition found has {best} "
+        raise CapMissed(f"max_tokens={cap!r} was not met: the best partition found has {best} "
                          f"tokens in a part and no partition has fewer than {floor}; one within "
                          "the cap may exist that the search missed")
 
