@@ -329,10 +329,12 @@ class HostReadRecorder(torch.overrides.TorchFunctionMode):
     other threads (the shuffler's background thread) are not recorded.
 
     Recorded: ``item``, ``tolist``, ``numpy``, ``cpu`` and ``to``/``copy_`` to
-    the CPU without ``non_blocking``, ``bool``/``int``/``float`` of a tensor,
+    the CPU without ``non_blocking`` (from any source: on the CPU a host source
+    cannot be told from a device one), ``bool``/``int``/``float`` of a tensor,
     printing one, ``nonzero``/``argwhere``/``masked_select``/``unique``,
     ``equal``/``allclose``, indexing with a boolean tensor, and
-    ``repeat_interleave`` with tensor repeats but no ``output_size``.
+    ``repeat_interleave`` with tensor repeats (or a tensor alone, whose values
+    are the repeats) but no ``output_size``.
 
     Example::
 
@@ -361,12 +363,14 @@ class HostReadRecorder(torch.overrides.TorchFunctionMode):
                 return False
             targets = [kwargs.get("device"), *args[1:2]]
             if name == "copy_":
+                # Into the host, whatever the source (like ``to("cpu")``): a
+                # CPU run cannot tell a host source from a device one.
                 dst = args[0] if args else None
-                return isinstance(dst, torch.Tensor) and dst.device.type == "cpu" and \
-                    isinstance(args[1], torch.Tensor) and args[1].device.type != "cpu"
+                return isinstance(dst, torch.Tensor) and dst.device.type == "cpu"
             return any(_names_cpu(t) for t in targets if t is not None)
         if name == "repeat_interleave":
-            repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+            # One argument: the tensor's own values are the repeats.
+            repeats = kwargs.get("repeats", args[1] if len(args) > 1 else args[0] if args else None)
             return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
         if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
             index = args[1] if len(args) > 1 else None

@@ -167,8 +167,12 @@ def test_recorder_sees_reads_on_its_thread_only() -> None:
         t[t > 2]
         t.to(torch.float64)  # no read
         t.to("cpu")
+        torch.repeat_interleave(t)  # its own values are the repeats
+        torch.empty(6, dtype=t.dtype).copy_(t)  # into the host: a blocking D2H copy on a GPU
+        torch.empty(6, dtype=t.dtype).copy_(t, non_blocking=True)  # no read
         other = threading.Thread(target=lambda: t.numpy())
         other.start()
         other.join()
-    assert rec.calls == ["__bool__", "tolist", "repeat_interleave", "__getitem__", "to"]
+    assert rec.calls == ["__bool__", "tolist", "repeat_interleave", "__getitem__", "to", "repeat_interleave",
+                         "copy_"]
     assert np.array_equal(t.numpy(), np.arange(6))
