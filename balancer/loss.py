@@ -47,11 +47,13 @@ with ``torch.fx.wrap("global_mean_loss")``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from balancer._ints import is_int
+from balancer._ints import as_count
 
 __all__ = ["global_loss_value", "global_mean_loss", "global_weighted_mean_loss"]
 
@@ -76,29 +78,93 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _normalise(
+    fn: str,
     local_sum: torch.Tensor,
     local_count: torch.Tensor,
     pg: ProcessGroup | None,
     grad_reduction: str,
+    problem: str | None = None,
+    bad: torch.Tensor | None = None,
+    describe: Callable[[], str] | None = None,
 ) -> torch.Tensor:
-    if grad_reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"grad_reduction={grad_reduction!r}, expected one of {list(_REDUCTIONS)} "
-            f"(rank {_rank(pg)})"
-        )
-    world = _world(pg)
+    """``W * local_sum / global count`` (``"mean"``), with this rank's input checks agreed.
+
+    ``problem``: what is wrong with this rank's input, known on the host (its
+    shapes, ``num_real``, ``grad_reduction``); ``bad``: a device flag for what
+    only the values show (weights), ``describe`` its message. Both travel in
+    the one all-reduce (see :func:`_agree`), so a rank with bad input still
+    takes part in it and every rank's collectives stay paired.
+    """
+    if problem is None and grad_reduction not in _REDUCTIONS:
+        problem = f"grad_reduction={grad_reduction!r}, expected one of {list(_REDUCTIONS)} (rank {_rank(pg)})"
     # Half precision overflows at 65504: sums and the count of a large batch
     # would turn into inf (and the loss into 0 or NaN). Accumulate in float32
     # at least; the count travels as float64.
     local_sum = local_sum.to(_accumulate_dtype(local_sum.dtype))
-    count = local_count.detach().to(torch.float64).reshape(1).clone()
-    if world > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=pg)
+    count = local_count.detach().to(torch.float64).reshape(())
+    count, rejected = _agree(fn, count, pg, problem, bad, describe)
     # No real item anywhere (e.g. a step made only of padding): return a zero
     # that still depends on the parameters, so backward and DDP run as usual.
     denom = torch.where(count > 0, count, torch.ones_like(count)).to(local_sum.dtype)
-    scale = float(world) if grad_reduction == "mean" else 1.0
-    return (local_sum * scale / denom).reshape(())
+    scale = float(_world(pg)) if grad_reduction == "mean" else 1.0
+    out = (local_sum * scale / denom).reshape(())
+    if rejected is not None:  # on a device: NaN where a rank's weights were bad (no host read)
+        out = torch.where(rejected > 0, torch.full_like(out, float("nan")), out)
+    return out
+
+
+def _agree(
+    fn: str,
+    value: torch.Tensor,
+    pg: ProcessGroup | None,
+    problem: str | None,
+    bad: torch.Tensor | None,
+    describe: Callable[[], str] | None,
+    read: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All-reduce (sum) ``value`` with this rank's verdict on its input: ``[value, rejected,
+    rejected * (rank + 1)]``, one collective whatever the verdict.
+
+    Then the rank with a ``problem`` raises it, and where the verdicts can be
+    read without a device sync (CPU tensors) every rank raises: the bad rank
+    its own message (``describe()`` for ``bad``), the others one naming it.
+    On a device, reading them would stall the host every step: the summed
+    verdict comes back instead (the caller turns the loss into NaN with it),
+    unless ``read`` (the caller reads the value on the host anyway).
+
+    Returns:
+        ``(sum of value, None)`` on the CPU, ``(sum of value, sum of verdicts)`` on a device.
+    """
+    world, rank = _world(pg), _rank(pg)
+    flag = torch.full((), float(problem is not None), dtype=torch.float64, device=value.device)
+    if bad is not None:
+        flag = torch.maximum(flag, bad.to(torch.float64))
+    msg = torch.stack([value.to(torch.float64), flag, flag * (rank + 1)])
+    if world > 1:
+        dist.all_reduce(msg, op=dist.ReduceOp.SUM, group=pg)
+    if problem is not None:
+        raise ValueError(problem)
+    if msg.device.type != "cpu" and not read:
+        return msg[0], msg[1]
+    rejected, who = msg[1:].tolist()
+    if rejected > 0:
+        if describe is not None and flag.item() > 0:
+            raise ValueError(describe())
+        if rejected == 1:
+            raise ValueError(f"rank {int(who) - 1} of {world} rejected its input to {fn} (see its error); "
+                             f"rank {rank} stops too")
+        raise ValueError(f"{int(rejected)} of {world} ranks rejected their input to {fn} (see their errors); "
+                         f"rank {rank} stops too")
+    return msg[0], None
+
+
+def _weights_problem(weights: torch.Tensor, rank: int) -> str:
+    """What is wrong with ``weights`` (CPU): counts of negative and non-finite values."""
+    w = weights.detach().to(torch.float64)
+    negative, not_finite = w < 0, ~torch.isfinite(w)
+    first = w[negative | not_finite][0].item()
+    return (f"weights hold {int(negative.sum())} negative and {int(not_finite.sum())} NaN or infinite values "
+            f"(first {first}), expected finite weights >= 0 (rank {rank})")
 
 
 def global_weighted_mean_loss(
@@ -116,7 +182,7 @@ def global_weighted_mean_loss(
 
     Args:
         losses: ``[N]`` per-item losses on this rank (floating point).
-        weights: ``[N]`` non-negative weights, same device.
+        weights: ``[N]`` finite non-negative weights, same device.
         pg: the data-parallel process group; ``None`` is the default group.
         grad_reduction: ``"mean"`` if gradients are averaged over ranks (DDP),
             ``"sum"`` if summed.
@@ -124,21 +190,30 @@ def global_weighted_mean_loss(
     Returns:
         A scalar loss to call ``backward`` on (float32 for half-precision
         ``losses``). Its average over ranks (``"mean"``) or sum over ranks
-        (``"sum"``) is the global weighted mean.
+        (``"sum"``) is the global weighted mean. On a device, where checking
+        the weights' values on the host would stall it, a negative, NaN or
+        infinite weight on any rank makes every rank's loss NaN instead.
 
     Raises:
-        ValueError: on a shape mismatch or an unknown ``grad_reduction``, before
-            any collective.
+        ValueError: on a shape mismatch, an unknown ``grad_reduction`` or (CPU
+            tensors) a negative, NaN or infinite weight, on *every* rank: the
+            bad rank names its input, the others name the bad rank. The check
+            travels in the one all-reduce, so a loop that catches the error
+            and goes on keeps its collectives paired.
     """
+    rank = _rank(pg)
     if losses.dim() != 1 or weights.shape != losses.shape:
-        raise ValueError(
-            f"losses shape {tuple(losses.shape)} and weights shape {tuple(weights.shape)}, "
-            f"expected both [N] (rank {_rank(pg)})"
-        )
+        problem = (f"losses shape {tuple(losses.shape)} and weights shape {tuple(weights.shape)}, "
+                   f"expected both [N] (rank {rank})")
+        zero = torch.zeros((), dtype=torch.float64, device=losses.device)
+        return _normalise("global_weighted_mean_loss", zero, zero, pg, grad_reduction, problem)
     acc = _accumulate_dtype(losses.dtype)
     w = weights.to(acc)
     contrib = torch.where(w != 0, losses.to(acc) * w, torch.zeros((), dtype=acc, device=losses.device))
-    return _normalise(contrib.sum(), weights.detach().to(torch.float64).sum(), pg, grad_reduction)
+    w64 = weights.detach().to(torch.float64)
+    bad = ((w64 < 0) | ~torch.isfinite(w64)).any()
+    return _normalise("global_weighted_mean_loss", contrib.sum(), w64.sum(), pg, grad_reduction, bad=bad,
+                      describe=lambda: _weights_problem(weights, rank))
 
 
 def global_mean_loss(
@@ -158,7 +233,8 @@ def global_mean_loss(
     Args:
         per_sample_loss: ``[B]`` losses, samples ``[0, num_real)`` real, the
             rest padding (``batch.actual_batch_size`` real samples first).
-        num_real: number of real samples on this rank, ``0 <= num_real <= B``.
+        num_real: number of real samples on this rank, ``0 <= num_real <= B``
+            (a Python or numpy integer).
         pg: the data-parallel process group; ``None`` is the default group.
         grad_reduction: ``"mean"`` (DDP averages gradients) or ``"sum"``.
 
@@ -167,19 +243,26 @@ def global_mean_loss(
         ``per_sample_loss``).
 
     Raises:
-        ValueError: on a bad shape, ``num_real`` or ``grad_reduction``, before
-            any collective.
+        ValueError: on a bad shape, ``num_real`` or ``grad_reduction``, on
+            *every* rank (the bad rank names its input, the others name the
+            bad rank; the check travels in the one all-reduce).
     """
+    rank = _rank(pg)
+    device = per_sample_loss.device
+    problem = None
+    count = None if isinstance(num_real, torch.Tensor) else as_count(num_real)
     if per_sample_loss.dim() != 1:
-        raise ValueError(
-            f"per_sample_loss shape {tuple(per_sample_loss.shape)}, expected [B] (rank {_rank(pg)})"
-        )
-    b = per_sample_loss.shape[0]
-    if not is_int(num_real, 0) or num_real > b:
-        raise ValueError(f"num_real={num_real!r}, expected an int in [0, {b}] (rank {_rank(pg)})")
-    real = per_sample_loss[:num_real].to(_accumulate_dtype(per_sample_loss.dtype))
-    count = torch.tensor(float(num_real), dtype=torch.float64, device=per_sample_loss.device)
-    return _normalise(real.sum(), count, pg, grad_reduction)
+        problem = f"per_sample_loss shape {tuple(per_sample_loss.shape)}, expected [B] (rank {rank})"
+    elif count is None or not 0 <= count <= per_sample_loss.shape[0]:
+        why = " (a Python or numpy integer: a tensor would be read on the host)" \
+            if isinstance(num_real, torch.Tensor) else ""
+        problem = f"num_real={num_real!r}, expected an int in [0, {per_sample_loss.shape[0]}]{why} (rank {rank})"
+    if problem is not None or count is None:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return _normalise("global_mean_loss", zero, zero, pg, grad_reduction, problem)
+    real = per_sample_loss[:count].to(_accumulate_dtype(per_sample_loss.dtype))
+    return _normalise("global_mean_loss", real.sum(), torch.full((), float(count), dtype=torch.float64,
+                                                                 device=device), pg, grad_reduction)
 
 
 def global_loss_value(
@@ -195,16 +278,23 @@ def global_loss_value(
 
     Returns:
         The same float on every rank.
+
+    Raises:
+        ValueError: an unknown ``grad_reduction`` or a ``loss`` of more than
+            one element, on every rank (as the loss functions).
     """
+    rank = _rank(pg)
+    problem = None
     if grad_reduction not in _REDUCTIONS:
-        raise ValueError(f"grad_reduction={grad_reduction!r}, expected one of {list(_REDUCTIONS)}")
-    world = _world(pg)
-    value = loss.detach().to(torch.float64).reshape(1).clone()
-    if world > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=pg)
+        problem = f"grad_reduction={grad_reduction!r}, expected one of {list(_REDUCTIONS)} (rank {rank})"
+    elif loss.numel() != 1:
+        problem = f"loss shape {tuple(loss.shape)}, expected one element (rank {rank})"
+    value = loss.detach().to(torch.float64).reshape(-1)[0] if problem is None else \
+        torch.zeros((), dtype=torch.float64, device=loss.device)
+    total, _ = _agree("global_loss_value", value, pg, problem, None, None, read=True)
     if grad_reduction == "mean":
-        value /= world
-    return float(value.item())
+        total = total / _world(pg)
+    return float(total.item())
 
 
 # TorchRec's pipeline fx-traces model.forward; keep these as opaque calls.

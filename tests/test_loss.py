@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,3 +139,85 @@ def test_half_precision_losses_over_many_items_keep_the_mean(dtype: torch.dtype)
     assert math.isclose(losses.grad[100:].float().sum().item(), 1.0, rel_tol=1e-2)
     per_sample = torch.full((n,), 1.0, dtype=dtype)
     assert global_mean_loss(per_sample, n).item() == 1.0  # the sum was inf in fp16
+
+
+def _catch(fn: Any) -> str:
+    """``fn()``'s ``ValueError`` message ('' if it raised none)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _worker_one_bad_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 passes bad input to each function in turn; every rank catches the error and
+    goes on, as a loop that skips a bad batch would."""
+    x = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    bad = rank == 1
+    out: dict[str, Any] = {
+        "num_real": _catch(lambda: global_mean_loss(x, 5 if bad else 4)),
+        "shape": _catch(lambda: global_weighted_mean_loss(x, torch.ones(3 if bad else 4))),
+        "reduction": _catch(lambda: global_mean_loss(x, 4, grad_reduction="avg" if bad else "mean")),
+        "negative": _catch(lambda: global_weighted_mean_loss(x, torch.tensor([1.0, -2.0, 1.0, 1.0]) if bad
+                                                               else torch.ones(4))),
+        "nan": _catch(lambda: global_weighted_mean_loss(x, torch.tensor([1.0, math.nan, 1.0, 1.0]) if bad
+                                                          else torch.ones(4))),
+        "value": _catch(lambda: global_loss_value(x[:1].sum(), grad_reduction="avg" if bad else "mean")),
+    }
+    # After all those errors the collectives are still paired: a correct step follows.
+    loss = global_mean_loss(x * (rank + 1), 2 if rank == 0 else 1)  # global real: 1, 3 | 2
+    out["after"] = global_loss_value(loss)
+    return out
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank_and_the_next_step_is_right() -> None:
+    # Once only the bad rank raised: the others blocked in the all-reduce (until
+    # the bad process died), or a loop skipping the bad batch paired its next
+    # all-reduce with the others' current one and returned wrong losses.
+    outs = run_workers(_worker_one_bad_rank, 2, timeout=120)
+    own = {"num_real": r"num_real=5, expected an int in \[0, 4\] \(rank 1\)",
+           "shape": r"weights shape \(3,\), expected both \[N\] \(rank 1\)",
+           "reduction": r"grad_reduction='avg'.*\(rank 1\)",
+           "negative": r"weights hold 1 negative and 0 NaN or infinite values \(first -2\.0\), expected "
+                       r"finite weights >= 0 \(rank 1\)",
+           "nan": r"weights hold 0 negative and 1 NaN or infinite values \(first nan\).*\(rank 1\)",
+           "value": r"grad_reduction='avg'.*\(rank 1\)"}
+    for key, pattern in own.items():
+        assert re.search(pattern, outs[1][key]), (key, outs[1][key])
+        assert re.search(r"rank 1 of 2 rejected its input to global_\w+ \(see its error\); rank 0 stops too",
+                         outs[0][key]), (key, outs[0][key])
+    assert outs[0]["after"] == outs[1]["after"] == pytest.approx(2.0)
+
+
+def test_counts_from_numpy_are_ints_and_tensors_are_refused() -> None:
+    x = torch.tensor([1.0, 2.0, 6.0, math.nan])
+    assert float(global_mean_loss(x, np.int64(3))) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match=r"num_real=tensor\(3\), expected an int in \[0, 4\] \(a Python or numpy "
+                                         r"integer: a tensor would be read on the host\) \(rank 0\)"):
+        global_mean_loss(x, torch.tensor(3))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights", [[1.0, -1.0, 0.0], [1.0, math.inf, 1.0], [-1.0, -1.0, -1.0]])
+def test_bad_weights_are_refused_on_one_process(weights: list[float]) -> None:
+    # Once: [1, -1, 0] gave -1.0 and [-1, -1, -1] a 'mean' over a weight sum of 1.
+    with pytest.raises(ValueError, match=r"expected finite weights >= 0 \(rank 0\)"):
+        global_weighted_mean_loss(torch.tensor([1.0, 2.0, 3.0]), torch.tensor(weights))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bad_weights_on_a_device_make_the_loss_nan_without_a_host_sync() -> None:
+    # On a device the weights' values are not read on the host (that would stall
+    # it every step): a bad weight turns the loss into NaN instead.
+    dev = torch.device("cuda")
+    losses = torch.tensor([1.0, 2.0, 3.0], device=dev, requires_grad=True)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        good = global_weighted_mean_loss(losses, torch.ones(3, device=dev))
+        bad = global_weighted_mean_loss(losses, torch.tensor([1.0, -1.0, 0.0], device=dev))
+        mean = global_mean_loss(losses, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert good.item() == pytest.approx(2.0) and math.isnan(bad.item()) and mean.item() == pytest.approx(1.5)
