@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
 from balancer._llm_units import as_lengths, check_positive, row_cost
 from balancer.dispatch import DispatchPlan, plan_dispatch
@@ -135,10 +136,16 @@ class BufferedDispatcher:
     def put(self, lengths: Any, ids: Any = None) -> None:
         """Add samples (their lengths; ids default to a running counter).
 
+        An empty ``lengths`` (a producer with nothing new this round) adds nothing.
+
         Raises:
             ValueError: bad lengths or ids, or a sample longer than
                 ``max_tokens`` (named by its id); nothing is buffered then.
         """
+        if _empty(lengths):
+            if ids is not None and np.asarray(ids).size:
+                raise ValueError(f"ids has shape {np.asarray(ids).shape}, expected (0,) like lengths")
+            return
         lens = as_lengths(lengths, "BufferedDispatcher.put")
         if ids is None:
             new = np.arange(self._next_id, self._next_id + lens.size, dtype=np.int64)
@@ -166,13 +173,13 @@ class BufferedDispatcher:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
             if np.intersect1d(new, self._ids).size or np.unique(new).size != new.size:
                 raise ValueError("ids must be unique among buffered samples")
-        if self._cap is not None and lens.size and int(lens.max()) > self._cap:
+        if self._cap is not None and int(lens.max()) > self._cap:
             # Buffered, it would fail every later round (the buffer is kept on an error).
             i = int(np.argmax(lens))
             raise ValueError(f"sample id {int(new[i])} has {int(lens[i])} tokens, more than max_tokens={self._cap}: "
                              "no micro-batch can hold it; nothing of this put() was buffered "
                              "(BufferedDispatcher.put)")
-        self._next_id = max(self._next_id, int(new.max()) + 1 if new.size else 0)
+        self._next_id = max(self._next_id, int(new.max()) + 1)
         self._ids = np.concatenate([self._ids, new])
         self._lens = np.concatenate([self._lens, lens])
         self._seq = np.concatenate([self._seq, self._count + np.arange(lens.size)])
@@ -285,6 +292,17 @@ class BufferedDispatcher:
         good = np.flatnonzero(score <= max(float(score.min()), 1.0) * (1 + _TOL))
         best = good[np.argmax(age[rows[good]].sum(axis=1))]
         return np.sort(rows[best])
+
+
+def _empty(lengths: Any) -> bool:
+    """Whether ``lengths`` is a 1-D sequence, array or tensor of no element."""
+    if isinstance(lengths, torch.Tensor):
+        return lengths.dim() == 1 and lengths.numel() == 0
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError):
+        return False  # as_lengths names what is wrong with it
+    return arr.ndim == 1 and arr.size == 0
 
 
 def _with_empty_ranks(plan: DispatchPlan, w: int) -> DispatchPlan:

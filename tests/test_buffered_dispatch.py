@@ -154,3 +154,21 @@ def test_drain_when_micro_batches_cannot_be_shared_evenly() -> None:
     assert mbs is not None and all(len(m) == 1 for rank in mbs for m in rank)
     counts = sorted(len(rank) for rank in mbs)
     assert counts[0] == 0 and len(set(c for c in counts if c)) == 1  # whole ranks left out, the rest alike
+
+
+def test_an_empty_put_adds_nothing() -> None:
+    # A producer with nothing new this round: put() once raised 'lengths is empty'.
+    import torch
+
+    disp, ref = BufferedDispatcher(2, 2, window=1), BufferedDispatcher(2, 2, window=1)
+    disp.put([3, 1])
+    for empty in ([], np.zeros(0, np.int64), torch.zeros(0, dtype=torch.int64)):
+        disp.put(empty)
+        disp.put(empty, ids=[])
+    with pytest.raises(ValueError, match=r"ids has shape \(1,\), expected \(0,\) like lengths"):
+        disp.put([], ids=[7])
+    disp.put([4, 2])
+    ref.put([3, 1, 4, 2])
+    assert disp.pending == 4
+    got, want = disp.next(), ref.next()
+    assert got.ids.tolist() == want.ids.tolist() and got.plan.ranks == want.plan.ranks
