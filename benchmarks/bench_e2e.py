@@ -326,29 +326,35 @@ def environment() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--reps", type=int, default=2)
+    # Sizes default to None: --quick picks its own where the command line names none.
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default 2 4 (quick: 2)")
+    p.add_argument("--dists", nargs="+", default=None, choices=DISTRIBUTIONS, help="default all (quick: zipf)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 16 64 (quick: 8)")
+    p.add_argument("--max-len", type=int, default=None, help="default 4096 (quick: 1024)")
+    p.add_argument("--steps", type=int, default=None, help="default 8 (quick: 3)")
+    p.add_argument("--reps", type=int, default=None, help="default 2 (quick: 1)")
     p.add_argument("--comm", default="all2all", choices=["all2all", "allgather"])
     p.add_argument("--executor", default="auto", choices=["auto", "process", "thread"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--project", type=int, nargs="*", default=[64, 256, 1024])
+    p.add_argument("--project", type=int, nargs="*", default=None, help="default 64 256 1024 (quick: 64)")
     p.add_argument("--skew-sweep", action="store_true", help="projected speedup vs zipf alpha")
     p.add_argument("--json-out", default="bench_out/e2e.jsonl")
-    p.add_argument("--plot-dir", default="", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--calibration", action="store_true",
                    help="online calibration demo instead: token count + calibration vs the correct model "
                         "(first --world-sizes, first --dists, last --batch-sizes)")
-    p.add_argument("--calibration-steps", type=int, default=40)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run")
+    p.add_argument("--calibration-steps", type=int, default=None, help="default 40 (quick: 12)")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (sizes the command line names stay)")
     a = p.parse_args(argv)
-    if a.quick:
-        a.world_sizes, a.dists, a.batch_sizes = [2], ["zipf"], [8]
-        a.max_len, a.steps, a.reps, a.project = 1024, 3, 1, [64]
-        a.calibration_steps = min(a.calibration_steps, 12)
+    sizes = {"world_sizes": ([2, 4], [2]), "dists": (list(DISTRIBUTIONS), ["zipf"]),
+             "batch_sizes": ([16, 64], [8]), "max_len": (4096, 1024), "steps": (8, 3), "reps": (2, 1),
+             "project": ([64, 256, 1024], [64]), "calibration_steps": (40, 12)}
+    for name, (full, quick) in sizes.items():
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    for name in ("world_sizes", "batch_sizes", "max_len", "steps", "reps", "calibration_steps"):
+        value = getattr(a, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            p.error(f"--{name.replace('_', '-')} {value}, expected ints >= 1")
 
     env = environment()
     lengths, times, fit = calibrate(a.max_len)

@@ -55,7 +55,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     bench, rest = p.parse_known_args(argv)
     if bench.quick:
         rest = ["--steps", "4", "--batch-size", "8", "--max-seqlen", "64", "--dim", "16", *rest]
-    return bench, train_hstu.parse_args(["--balanced-loader", *rest])
+    args = train_hstu.parse_args(["--balanced-loader", *rest])
+    if args.embedding_kernel == "torch" and not bench.no_shuffler:
+        # The in-pipeline shuffler runs inside TorchRec's pipeline, which needs sharded tables.
+        p.error("--embedding-kernel torch shards nothing, so the in-pipeline shuffler (TorchRec's pipeline) "
+                "cannot run: add --no-shuffler")
+    return bench, args
 
 
 def environment() -> dict[str, Any]:

@@ -85,6 +85,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.quick:
         a.shuffles, a.every = 400, 100
+    if not 1 <= a.every <= a.shuffles or a.world < 1:
+        ap.error(f"--shuffles {a.shuffles} --every {a.every} --world {a.world}: expected 1 <= every <= shuffles "
+                 "(a checkpoint at least once) and world >= 1")
     per_rank = run_workers(worker, a.world, a.shuffles, a.every, timeout=7200)
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

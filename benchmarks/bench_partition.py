@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -890,9 +891,26 @@ def main() -> None:
     seeds = args.seeds or (1 if args.quick else 3)
     out = open(args.json_out, "w") if args.json_out else None  # noqa: SIM115
     only = set(args.only.split(",")) if args.only else None
+    sections = ("quality", "scale", "small", "load", "curves", "threads", "locality", "tokens", "tokens-scale",
+                "crowded")
+    if only is not None and not only <= set(sections):
+        ap.error(f"--only: {args.only!r}; expected a comma-separated subset of {','.join(sections)}")
+    if args.plot and (args.quick or not (only is None or "curves" in only)):
+        ap.error("--plot draws the 'curves' section, which --quick (or an --only without curves) leaves out")
     dists = tuple(args.dists.split(","))
     if not set(dists) <= set(DISTS):
         ap.error(f"--dists: {args.dists!r}; expected a comma-separated subset of {','.join(DISTS)}")
+    try:
+        chosen = None if args.shapes is None else [
+            (int(w), int(b)) for w, b in (s.lower().split("x") for s in args.shapes.split(","))]
+    except ValueError:
+        ap.error(f"--shapes: {args.shapes!r}; expected comma-separated WxB, e.g. 1024x16,2048x16")
+    if args.before != "none":
+        repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"],
+                               capture_output=True, check=False).returncode == 0
+        if not known:
+            ap.error(f"--before: {args.before!r} is not a commit of this repository ('none' skips the reference)")
 
     def emit(row: dict[str, Any]) -> None:
         if out:
@@ -904,9 +922,6 @@ def main() -> None:
 
     def pick(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
         return shapes if chosen is None else chosen
-
-    chosen = None if args.shapes is None else [
-        (int(w), int(b)) for w, b in (s.lower().split("x") for s in args.shapes.split(","))]
 
     emit(header())
     print(json.dumps(header()))

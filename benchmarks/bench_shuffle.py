@@ -50,6 +50,7 @@ from balancer.testing import run_workers  # noqa: E402
 
 KEYS = ["item", "action", "time", "ctx"]
 MAX_LEN = 2048
+DISTS = ("uniform", "lognormal", "zipf")
 VARIANTS = (("all2all", True), ("all2all", False), ("allgather", True))
 
 
@@ -63,8 +64,10 @@ def draw_lengths(rng: np.random.Generator, dist_name: str, n: int) -> np.ndarray
         x = rng.integers(1, 512, size=n)
     elif dist_name == "lognormal":
         x = rng.lognormal(mean=4.5, sigma=1.0, size=n)
-    else:  # zipf-like: heavy tail, most histories short
+    elif dist_name == "zipf":  # heavy tail, most histories short
         x = rng.zipf(1.6, size=n) * 8
+    else:
+        raise ValueError(f"dist {dist_name!r}, expected one of {DISTS}")
     return np.clip(x, 1, MAX_LEN).astype(np.int64)
 
 
@@ -203,8 +206,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cell = {(r["comm"], r["locality"]): r for r in rows if key(r) == k}
         ag = cell.get(("allgather", True)) or cell.get(("allgather", False))
         loc, blind = cell.get(("all2all", True)), cell.get(("all2all", False))
-        if ag is None or blind is None:
-            continue
+        if ag is None or blind is None or ag["bytes_per_rank"] == 0:
+            continue  # no ratio where nothing is sent (W = 1)
         d = dict(kind="ratio", world_size=k[0], batch_size=k[1], dist=k[2],
                  blind_over_allgather=blind["bytes_per_rank"] / ag["bytes_per_rank"])
         if loc is not None:
@@ -226,13 +229,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     sizes = args.batch_sizes or ("32,128" if args.quick else "32,128,512")
-    cfg = dict(batch_sizes=[int(x) for x in sizes.split(",")], dists=args.dists.split(","),
+    if not set(args.dists.split(",")) <= set(DISTS):
+        ap.error(f"--dists: {args.dists!r}; expected a comma-separated subset of {','.join(DISTS)}")
+    try:
+        batch_sizes, worlds = [int(x) for x in sizes.split(",")], [int(x) for x in args.world_sizes.split(",")]
+    except ValueError:
+        ap.error("--batch-sizes and --world-sizes take comma-separated ints")
+    if min(batch_sizes + worlds) < 1:
+        ap.error(f"--batch-sizes {sizes} --world-sizes {args.world_sizes}: expected ints >= 1")
+    cfg = dict(batch_sizes=batch_sizes, dists=args.dists.split(","),
                steps=args.steps or (3 if args.quick else 20),
                warmup=1 if args.quick else 2, seed=args.seed)
     env = environment()
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for w in (int(x) for x in args.world_sizes.split(",")):
+    for w in worlds:
         rows += summarise(run_workers(worker, w, cfg, timeout=900))
     print(f"# {env['platform']}, {env['cpu_count']} CPUs, gloo; partition: {env['partition']}; "
           f"{cfg['steps']} steps; {time.perf_counter() - t0:.0f} s")

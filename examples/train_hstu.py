@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--balancer-log-interval", type=int, default=0, help="BalancerConfig.log_interval")
     p.add_argument("--cpu", action="store_true", help="use CPU + gloo even if CUDA is available")
     args = p.parse_args(argv)
+    if args.log_every < 1:
+        p.error(f"--log-every {args.log_every}, expected an int >= 1")
     if args.enable_balanced_shuffler and args.balanced_loader:
         p.error("--enable-balanced-shuffler and --balanced-loader are two ways of balancing: pick one")
     if args.embedding_kernel == "dense" and (args.cpu or not torch.cuda.is_available()):

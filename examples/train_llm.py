@@ -66,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, low in (("steps", 1), ("global_batch", 1), ("max_len", 2), ("vocab", 1), ("dim", 1), ("layers", 1),
+                      ("heads", 1), ("kv_heads", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}, expected an int >= {low}")
+    return args
 
 
 def global_batch(args: argparse.Namespace, step: int) -> tuple[np.ndarray, list[torch.Tensor]]:

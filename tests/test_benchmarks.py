@@ -7,6 +7,7 @@ results obey what balancing guarantees (it never raises the max load).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -172,3 +173,58 @@ def test_pattern_test_without_a_cap_never_refutes_the_optimum(per_token: int) ->
             above_bound += 1
             proven += mip.pattern_test(lens, w, np.inf, opt - 1, 60.0, per_token=per_token)[0] == "infeasible"
     assert above_bound >= 6 and proven >= 6, (above_bound, proven)
+
+
+def _bench_module(name: str) -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("bench_partition", ["--only", "bogus", "--before", "none"], "--only: 'bogus'; expected a comma-separated"),
+    ("bench_partition", ["--quick", "--plot", "x.png"], "--plot draws the 'curves' section"),
+    ("bench_partition", ["--shapes", "64-16", "--before", "none"], "--shapes: '64-16'; expected comma-separated WxB"),
+    ("bench_partition", ["--before", "0000000"], "--before: '0000000' is not a commit"),
+    ("bench_shuffle", ["--dists", "lognorm"], "--dists: 'lognorm'; expected a comma-separated subset"),
+    ("bench_shuffle", ["--batch-sizes", "0"], "expected ints >= 1"),
+    ("bench_longrun", ["--shuffles", "5", "--every", "10"], "expected 1 <= every <= shuffles"),
+    ("bench_e2e", ["--steps", "0"], "--steps 0, expected ints >= 1"),
+    ("bench_e2e", ["--reps", "0"], "--reps 0, expected ints >= 1"),
+    ("bench_loader", ["--embedding-kernel", "torch"], "cannot run: add --no-shuffler"),
+])
+def test_bad_command_lines_are_refused_with_a_message(script: str, argv: list[str], message: str,
+                                                      monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    # Each of these once ran nothing and exited 0, ran something else than asked, or died in a
+    # traceback deep inside (a ZeroDivisionError, git's exit status, torch.fx).
+    mod = _bench_module(script)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        if script == "bench_e2e":
+            mod.main(argv)
+        elif script == "bench_loader":
+            mod.parse_args(argv)
+        else:
+            mod.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_quick_keeps_the_sizes_the_command_line_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --quick once overwrote --world-sizes, --batch-sizes and the rest with its own.
+    mod = _bench_module("bench_e2e")
+    seen: dict[str, Any] = {}
+
+    def stop(max_len: int) -> Any:
+        seen["max_len"] = max_len
+        raise SystemExit(0)
+
+    monkeypatch.setattr(mod, "calibrate", stop)
+    with pytest.raises(SystemExit):
+        mod.main(["--quick", "--max-len", "300"])
+    assert seen == {"max_len": 300}
+    with pytest.raises(SystemExit):
+        mod.main(["--quick"])
+    assert seen == {"max_len": 1024}

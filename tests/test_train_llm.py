@@ -29,6 +29,21 @@ def _worker(rank: int, world_size: int, argv: list[str]) -> dict:
     return {mode: {k: log[k] for k in ("loss", "model_imb")} for mode, log in logs.items()}
 
 
+def test_cli_rejects_sizes_that_cannot_run(capsys: Any) -> None:
+    # Once: --steps 0 a StatisticsError, --global-batch 0 torch.cat of nothing, --max-len 1 numpy's
+    # 'a cannot be empty' while drawing lengths, each after the process group was up.
+    ex = _example()
+    for flag, value, low in (("--steps", "0", 1), ("--global-batch", "0", 1), ("--max-len", "1", 2)):
+        try:
+            ex.parse_args([flag, value])
+        except SystemExit:
+            pass
+        else:
+            raise AssertionError(f"{flag} {value} was accepted")
+        assert f"{flag} {value}, expected an int >= {low}" in capsys.readouterr().err
+    assert ex.parse_args(["--max-len", "2"]).max_len == 2
+
+
 def test_train_llm_compare_two_ranks() -> None:
     steps = 3
     argv = ["--mode", "compare", "--steps", str(steps), "--global-batch", "16", "--max-len", "128",
