@@ -61,14 +61,45 @@ __all__ = [
 ]
 
 
-def resolve_group(pg: dist.ProcessGroup | None) -> tuple[Any, int, int]:
+def resolve_group(pg: dist.ProcessGroup | None, who: str = "BatchShuffler") -> tuple[Any, int, int]:
     """``(group, world size, rank)``, resolved now: ``None`` is the default group
     (``dist.group.WORLD`` is ``None`` before ``init_process_group``, so it is
-    never a default argument); ``(None, 1, 0)`` without torch.distributed."""
+    never a default argument); ``(None, 1, 0)`` without torch.distributed.
+
+    Raises:
+        ValueError: this process is not a member of ``pg`` (before any collective).
+    """
     if not dist.is_available() or not dist.is_initialized():
         return None, 1, 0
     group = pg if pg is not None else dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process "
+                         f"group passed (global ranks {dist.get_process_group_ranks(group)}); call it only on "
+                         "the group's members")
+    return group, dist.get_world_size(group), rank
+
+
+def new_gloo_group(ranks: list[int], timeout: datetime.timedelta) -> Any:
+    """A gloo group over ``ranks`` (global), created by those ranks alone.
+
+    Over the whole world every rank calls ``new_group`` and torch names the
+    group by its count of such calls, which every rank advances alike. Over a
+    subgroup only its members call it (``use_local_synchronization``), and
+    torch names the group by the number of groups the calling process holds
+    (pytorch/pytorch#173608): members that hold different numbers (a rank in
+    one more group than another) pick different names and never meet.
+    """
+    local = len(ranks) < dist.get_world_size()
+    return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=local)
+
+
+def held_groups() -> int | None:
+    """How many process groups this process holds (torch's private registry; ``None`` if unknown)."""
+    try:
+        return len(dist.distributed_c10d._world.pg_names)
+    except AttributeError:
+        return None
 
 
 def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any) -> None:
@@ -104,6 +135,7 @@ class ShuffleGroups:
         name: ``meta``'s name, the same on every rank (store keys).
         world_size, rank: within ``user``.
         timeout: seconds before a collective on ``meta``/``data`` gives up.
+        ranks: the global rank of each rank of ``user``.
     """
 
     user: Any
@@ -113,6 +145,12 @@ class ShuffleGroups:
     world_size: int
     rank: int
     timeout: float
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def note(self) -> str:
+        """What rank numbers in a message mean: '' over the whole world, else the global ranks."""
+        return rank_note(list(self.ranks))
 
     def phase2_group(self, device: torch.device) -> Any:
         """``data`` for a CPU batch; the caller's group for a device batch,
@@ -128,10 +166,18 @@ def create_groups(pg: Any, timeout: float) -> ShuffleGroups:
     ``pg`` calls this at the same point: the first shuffle)."""
     ranks = dist.get_process_group_ranks(pg)
     td = datetime.timedelta(seconds=timeout)
-    meta = dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True)
-    data = dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    meta = new_gloo_group(ranks, td)
+    data = new_gloo_group(ranks, td)
     name = str(getattr(meta, "group_name", "")) or f"balancer-{'-'.join(map(str, ranks))}"
-    return ShuffleGroups(pg, meta, data, name, dist.get_world_size(pg), dist.get_rank(pg), timeout)
+    return ShuffleGroups(pg, meta, data, name, dist.get_world_size(pg), dist.get_rank(pg), timeout, tuple(ranks))
+
+
+def rank_note(ranks: list[int]) -> str:
+    """'' where ``ranks`` (global, of a group) are the whole world, else a note that rank numbers
+    are within that group, with its global ranks."""
+    if not ranks or ranks == list(range(dist.get_world_size())):
+        return ""
+    return f" (rank numbers here are within the process group passed, whose global ranks are {ranks})"
 
 
 # ------------------------------------------------------------------ phase 1

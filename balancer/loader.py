@@ -145,7 +145,7 @@ class BalancedLoader(Generic[_B]):
         self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
                                        executor=executor, timeout=timeout, log_interval=log_interval,
                                        token_cap=token_cap, group_size=group_size)
-        self._group, self._world, _ = _comm.resolve_group(group)
+        self._group, self._world, _ = _comm.resolve_group(group, "BalancedLoader")
         # Both on the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never
         # create a group while the training thread creates others.
@@ -153,8 +153,7 @@ class BalancedLoader(Generic[_B]):
         self._signal = None
         if self._world > 1:
             ranks = dist.get_process_group_ranks(self._group)
-            self._signal = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
-                                          use_local_synchronization=True)
+            self._signal = _comm.new_gloo_group(ranks, datetime.timedelta(seconds=timeout))
         self._template = Template(given=batch_size)
         self._epoch = 0
         self._consumed = 0  # batches the user took from the current (or last) pass

@@ -566,7 +566,8 @@ class BatchShuffler(ShufflerBase):
         else:
             who = f"the collective failed and the missing ranks could not be determined: {cause}"
         err = ShuffleAbortedError(f"BatchShuffler: shuffle #{seq} aborted in {phase} on rank {groups.rank}: "
-                                  f"{who}; the shuffler is closed", seq=seq, phase=phase, missing=missing)
+                                  f"{who}; the shuffler is closed{groups.note}", seq=seq, phase=phase,
+                                  missing=missing)
         self._broken = err
         raise err from cause
 
@@ -576,7 +577,7 @@ class BatchShuffler(ShufflerBase):
             mine = Report(groups.rank, meta.seq, meta.error, layout_description(meta), self._config)
             reports = self._collective(groups, meta.seq, "phase 1", _comm.all_gather_objects, mine, groups)
         text, _ = describe_failure(verdict, headers, reports)
-        reraise(meta, ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}"))
+        reraise(meta, ValueError(f"BatchShuffler: shuffle #{meta.seq}: {text}{groups.note}"))
 
     def _check_plans(self, groups: ShuffleGroups, seq: int, digest: int | None) -> None:
         """Every rank's plan digest (``None``: the user's partition raised here), compared:
@@ -590,13 +591,13 @@ class BatchShuffler(ShufflerBase):
             return
         if failed:
             raise ValueError(f"BatchShuffler: shuffle #{seq}: partition={name} raised on rank(s) {failed} "
-                             f"(see their errors); nothing was moved (rank {groups.rank})")
+                             f"(see their errors); nothing was moved (rank {groups.rank}){groups.note}")
         odd = [r for r in range(groups.world_size) if int(rows[r, 1]) != int(rows[0, 1])]
         if odd:
             raise ValueError(
                 f"BatchShuffler: shuffle #{seq}: partition={name} returned different partitions on different "
                 f"ranks (rank(s) {odd} differ from rank 0); a partition function must be deterministic and "
-                "depend only on its arguments")
+                f"depend only on its arguments{groups.note}")
 
     def _groups_for(self, group: Any) -> ShuffleGroups:
         """The shuffler's groups over ``group``, created at the first shuffle (or ``connect``).
@@ -614,11 +615,20 @@ class BatchShuffler(ShufflerBase):
                 groups = _comm.create_groups(group, self.timeout)
             except RuntimeError as e:
                 seq, rank = self._next_seq, dist.get_rank(group)
+                ranks = dist.get_process_group_ranks(group)
+                note = _comm.rank_note(ranks)
+                if note:  # a subgroup: torch may have named the groups differently on its ranks
+                    note += (f"; over a subgroup this also happens where its ranks hold different numbers of "
+                             f"process groups (this one holds {_comm.held_groups()}): torch names a group "
+                             "created by its members alone by that number (pytorch/pytorch#173608), so create "
+                             "the shuffler's groups (connect(pg)) on every rank of the group before groups "
+                             "that only some of them join")
                 err = ShuffleAbortedError(
                     f"BatchShuffler: shuffle #{seq} aborted in phase 1 on rank {rank}: the shuffler's groups "
                     f"were not set up within its timeout of {self.timeout:g} s: a rank never started its "
                     "first shuffle (stalled, dead, or not calling the shuffler in step with the others); "
-                    f"the shuffler is closed ({type(e).__name__}: {e})", seq=seq, phase="phase 1", missing=None)
+                    f"the shuffler is closed ({type(e).__name__}: {e}){note}", seq=seq, phase="phase 1",
+                    missing=None)
                 self._setup_error = err
                 raise err from e
             self._groups[id(group)] = groups

@@ -1,0 +1,125 @@
+"""Shuffling within data-parallel groups that are subgroups of the world (DP x TP, DP x PP).
+
+Real gloo process groups throughout; every sample of a group must end in that group exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch.distributed as dist
+
+from balancer import BatchShuffler
+from balancer.testing import run_workers
+from tests.test_shuffler import make_batch, rows, token_count
+
+
+def _groups(parts: list[list[int]], rank: int) -> Any:
+    """Create every group of ``parts`` (all ranks call ``new_group`` for each) and return this rank's."""
+    mine = None
+    for p in parts:
+        g = dist.new_group(p)
+        if rank in p:
+            mine = g
+    return mine
+
+
+def _shuffled(sh: BatchShuffler, rank: int, group: Any, seed: int) -> tuple[list[Any], list[Any]]:
+    x = make_batch(rank, 4, 3, seed=seed)
+    out = sh.shuffle(x, group)
+    return rows(x)[: x.actual_batch_size], rows(out)[: out.actual_batch_size]
+
+
+def _pipeline_stages(rank: int, world: int) -> dict[str, Any]:
+    """DP x PP: DP groups [0, 1] and [2, 3] are pipeline stages; only stage 0 balances its inputs,
+    then every rank shuffles over the world (an evaluation loader, say)."""
+    dp = _groups([[0, 1], [2, 3]], rank)
+    dp_sh, world_sh = BatchShuffler(token_count, timeout=20), BatchShuffler(token_count, timeout=20)
+    out: dict[str, Any] = {}
+    if rank in (0, 1):
+        out["dp"] = _shuffled(dp_sh, rank, dp, seed=1)
+    out["world"] = _shuffled(world_sh, rank, None, seed=2)
+    dp_sh.close()
+    world_sh.close()
+    dist.barrier()  # rank 0 hosts the store: it leaves last
+    return out
+
+
+def _conserved(pairs: list[tuple[list[Any], list[Any]]]) -> None:
+    sent = Counter(r for before, _ in pairs for r in before)
+    got = Counter(r for _, after in pairs for r in after)
+    assert sent == got and sum(sent.values()) == 3 * len(pairs)
+
+
+def test_a_world_shuffle_after_only_some_groups_shuffled() -> None:
+    # Once the world shuffler's gloo groups never met: torch names a group created with
+    # use_local_synchronization by the count of groups its process holds (pytorch#173608),
+    # which the stage-0 ranks had raised by the DP shuffler's two groups; every rank got a
+    # ShuffleAbortedError blaming a peer that 'never started its first shuffle'.
+    outs = run_workers(_pipeline_stages, 4, timeout=120)
+    _conserved([o["dp"] for o in outs[:2]])
+    _conserved([o["world"] for o in outs])
+
+
+def _within(rank: int, world: int) -> tuple[list[Any], list[Any]]:
+    """DP x TP: DP groups [0, 2] and [1, 3]; each shuffles within itself."""
+    dp = _groups([[0, 2], [1, 3]], rank)
+    sh = BatchShuffler(token_count, timeout=20)
+    got = _shuffled(sh, rank, dp, seed=3)
+    sh.close()
+    dist.barrier()
+    return got
+
+
+def test_samples_stay_within_their_group() -> None:
+    outs = run_workers(_within, 4, timeout=120)
+    for members in ([0, 2], [1, 3]):
+        _conserved([outs[r] for r in members])
+
+
+def _not_a_member(rank: int, world: int) -> str:
+    g = dist.new_group([0, 1])
+    sh = BatchShuffler(token_count, timeout=20)
+    try:
+        _shuffled(sh, rank, g, seed=4)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        sh.close()
+        dist.barrier()
+
+
+def test_a_rank_outside_the_group_is_refused_at_once() -> None:
+    # Once rank 2 built groups over [0, 1] anyway and failed ~the timeout later with
+    # 'aborted in phase 1 on rank -1: ... Connection closed by peer'.
+    outs = run_workers(_not_a_member, 3, timeout=120)
+    assert outs[:2] == ["ok", "ok"]
+    assert "BatchShuffler: this process (global rank 2) is not a member of the process group passed " \
+           "(global ranks [0, 1])" in outs[2], outs[2]
+
+
+def _bad_batch_size(rank: int, world: int) -> str:
+    dp = _groups([[0, 1, 3], [2]], rank)
+    sh = BatchShuffler(token_count, timeout=20)
+    try:
+        x = make_batch(rank, 7 if rank == 3 else 6, 3, seed=5)
+        sh.shuffle(x, dp)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        sh.close()
+        dist.barrier()
+
+
+def test_errors_in_a_subgroup_say_which_global_ranks_they_mean() -> None:
+    # Once: 'rank(s) [2] differ' on global ranks 0, 1 and 3, where global rank 2 is in
+    # another group and healthy; the culprit, global rank 3, is rank 2 of the group.
+    outs = run_workers(_bad_batch_size, 4, timeout=120)
+    assert outs[2] == "ok"
+    for r in (0, 1, 3):
+        assert "rank numbers here are within the process group passed, whose global ranks are [0, 1, 3]" in outs[r], \
+            outs[r]
+
