@@ -677,7 +677,9 @@ def _padded(batch: Any, size: int) -> Any:
 
 class IdentityBatchShuffler(ShufflerBase):
     """Same API as :class:`BatchShuffler`; communicates nothing and returns the
-    batch unchanged. Stats cover this rank only (``world_size == 1``).
+    batch unchanged. Stats cover this rank only (``world_size == 1``); ``rank``
+    is its rank within ``pg`` (the default group when ``None``), as with
+    :class:`BatchShuffler`.
 
     Args:
         workload_fn: optional per-sample cost, for the stats' load.
@@ -689,7 +691,7 @@ class IdentityBatchShuffler(ShufflerBase):
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
         """No communication; computes the workloads only if ``workload_fn`` is set."""
         self._check_open()
-        _, _, rank = _comm.resolve_group(None)
+        _, _, rank = _comm.resolve_group(pg, "IdentityBatchShuffler")
         t0 = perf_counter()
         job, meta = None, None
         if self._workload_fn is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from balancer import BatchShuffler
+from balancer import BatchShuffler, IdentityBatchShuffler
 from balancer.testing import run_workers
 from tests.test_shuffler import make_batch, rows, token_count
 
@@ -123,3 +123,19 @@ def test_errors_in_a_subgroup_say_which_global_ranks_they_mean() -> None:
         assert "rank numbers here are within the process group passed, whose global ranks are [0, 1, 3]" in outs[r], \
             outs[r]
 
+
+
+def _identity(rank: int, world: int) -> tuple[int, int, int]:
+    dp = _groups([[0, 2], [1, 3]], rank)
+    sh = IdentityBatchShuffler(token_count)
+    x = make_batch(rank, 4, 3, seed=6)
+    h = sh.start_shuffle_async(x, dp)
+    sh.finish_shuffle(x, h, dp)
+    sh.close()
+    dist.barrier()
+    return h.rank, h.world_size, h.stats.rank
+
+
+def test_the_identity_shuffler_reports_the_rank_within_its_group() -> None:
+    # Once the global rank: 'rank 3 of 1'.
+    assert run_workers(_identity, 4, timeout=120) == [(0, 1, 0), (0, 1, 0), (1, 1, 1), (1, 1, 1)]
