@@ -74,9 +74,9 @@ def resolve_group(pg: dist.ProcessGroup | None, who: str = "BatchShuffler") -> t
     group = pg if pg is not None else dist.group.WORLD
     rank = dist.get_rank(group)
     if rank < 0:
+        # (torch keeps one placeholder for every group a process is not in: its ranks are not this group's)
         raise ValueError(f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process "
-                         f"group passed (global ranks {dist.get_process_group_ranks(group)}); call it only on "
-                         "the group's members")
+                         "group passed; call it only on the group's members")
     return group, dist.get_world_size(group), rank
 
 

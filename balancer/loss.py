@@ -108,8 +108,10 @@ def _normalise(
     denom = torch.where(count > 0, count, torch.ones_like(count)).to(local_sum.dtype)
     scale = float(_world(pg)) if grad_reduction == "mean" else 1.0
     out = (local_sum * scale / denom).reshape(())
-    if rejected is not None:  # on a device: NaN where a rank's weights were bad (no host read)
-        out = torch.where(rejected > 0, torch.full_like(out, float("nan")), out)
+    if rejected is not None:
+        # On a device (no host read): a rank rejected its input. NaN times the loss makes the
+        # loss and every gradient NaN, so the step is visibly bad (and an AMP GradScaler skips it).
+        out = out * torch.where(rejected > 0, torch.full_like(out, float("nan")), torch.ones_like(out))
     return out
 
 
@@ -128,8 +130,9 @@ def _agree(
     Then the rank with a ``problem`` raises it, and where the verdicts can be
     read without a device sync (CPU tensors) every rank raises: the bad rank
     its own message (``describe()`` for ``bad``), the others one naming it.
-    On a device, reading them would stall the host every step: the summed
-    verdict comes back instead (the caller turns the loss into NaN with it),
+    On a device, reading them would stall the host every step: the bad rank
+    still raises what its host knows, and the summed verdict comes back for
+    the others (the caller makes their loss and gradients NaN with it),
     unless ``read`` (the caller reads the value on the host anyway).
 
     Returns:
@@ -144,7 +147,7 @@ def _agree(
         dist.all_reduce(msg, op=dist.ReduceOp.SUM, group=pg)
     if problem is not None:
         raise ValueError(problem)
-    if msg.device.type != "cpu" and not read:
+    if not (read or _host_readable(msg)):
         return msg[0], msg[1]
     rejected, who = msg[1:].tolist()
     if rejected > 0:
@@ -156,6 +159,11 @@ def _agree(
         raise ValueError(f"{int(rejected)} of {world} ranks rejected their input to {fn} (see their errors); "
                          f"rank {rank} stops too")
     return msg[0], None
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` on the host costs no device sync (a CPU tensor)."""
+    return t.device.type == "cpu"
 
 
 def _weights_problem(weights: torch.Tensor, rank: int) -> str:
@@ -190,16 +198,19 @@ def global_weighted_mean_loss(
     Returns:
         A scalar loss to call ``backward`` on (float32 for half-precision
         ``losses``). Its average over ranks (``"mean"``) or sum over ranks
-        (``"sum"``) is the global weighted mean. On a device, where checking
-        the weights' values on the host would stall it, a negative, NaN or
-        infinite weight on any rank makes every rank's loss NaN instead.
+        (``"sum"``) is the global weighted mean. On a device, where reading
+        the verdicts on the host would stall it every step, bad input on any
+        rank makes the other ranks' loss and gradients NaN instead of raising
+        there (and a bad weight, which only its values show, every rank's).
 
     Raises:
-        ValueError: on a shape mismatch, an unknown ``grad_reduction`` or (CPU
-            tensors) a negative, NaN or infinite weight, on *every* rank: the
-            bad rank names its input, the others name the bad rank. The check
-            travels in the one all-reduce, so a loop that catches the error
-            and goes on keeps its collectives paired.
+        ValueError: CPU tensors: a shape mismatch, an unknown
+            ``grad_reduction`` or a negative, NaN or infinite weight, on
+            *every* rank: the bad rank names its input, the others name the
+            bad rank. The check travels in the one all-reduce, so a loop
+            that catches the error and goes on keeps its collectives paired.
+            On a device: a shape mismatch or ``grad_reduction`` on the bad
+            rank only (after the all-reduce).
     """
     rank = _rank(pg)
     if losses.dim() != 1 or weights.shape != losses.shape:
@@ -240,12 +251,14 @@ def global_mean_loss(
 
     Returns:
         A scalar loss to call ``backward`` on (float32 for half-precision
-        ``per_sample_loss``).
+        ``per_sample_loss``); on a device, NaN (with NaN gradients) where
+        another rank's input was bad.
 
     Raises:
-        ValueError: on a bad shape, ``num_real`` or ``grad_reduction``, on
-            *every* rank (the bad rank names its input, the others name the
-            bad rank; the check travels in the one all-reduce).
+        ValueError: on a bad shape, ``num_real`` or ``grad_reduction``: CPU
+            tensors on *every* rank (the bad rank names its input, the others
+            name the bad rank; the check travels in the one all-reduce), on a
+            device on the bad rank only.
     """
     rank = _rank(pg)
     device = per_sample_loss.device

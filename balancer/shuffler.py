@@ -319,6 +319,7 @@ class BatchShuffler(ShufflerBase):
 
         Raises:
             RuntimeError: the shuffler is closed.
+            ValueError: this process is not a member of ``pg``.
         """
         self._check_open()
         group, w, rank = _comm.resolve_group(pg)

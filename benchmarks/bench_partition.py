@@ -889,7 +889,6 @@ def main() -> None:
                     help="main-thread work per step (x10 for the N=131072 case)")
     args = ap.parse_args()
     seeds = args.seeds or (1 if args.quick else 3)
-    out = open(args.json_out, "w") if args.json_out else None  # noqa: SIM115
     only = set(args.only.split(",")) if args.only else None
     sections = ("quality", "scale", "small", "load", "curves", "threads", "locality", "tokens", "tokens-scale",
                 "crowded")
@@ -907,8 +906,11 @@ def main() -> None:
         ap.error(f"--shapes: {args.shapes!r}; expected comma-separated WxB, e.g. 1024x16,2048x16")
     if args.before != "none":
         repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"],
-                               capture_output=True, check=False).returncode == 0
+        try:
+            known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet",
+                                    f"{args.before}^{{commit}}"], capture_output=True, check=False).returncode == 0
+        except FileNotFoundError:
+            ap.error(f"--before {args.before}: needs git (not found); '--before none' skips the reference")
         if not known:
             ap.error(f"--before: {args.before!r} is not a commit of this repository ('none' skips the reference)")
 
@@ -923,6 +925,8 @@ def main() -> None:
     def pick(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
         return shapes if chosen is None else chosen
 
+    # Opened after the checks: a refused command line keeps the previous results.
+    out = open(args.json_out, "w") if args.json_out else None  # noqa: SIM115
     emit(header())
     print(json.dumps(header()))
     before = None if args.before == "none" else load_before(args.before)

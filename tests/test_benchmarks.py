@@ -228,3 +228,12 @@ def test_quick_keeps_the_sizes_the_command_line_names(monkeypatch: pytest.Monkey
     with pytest.raises(SystemExit):
         mod.main(["--quick"])
     assert seen == {"max_len": 1024}
+
+
+def test_a_refused_command_line_keeps_the_previous_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    previous = tmp_path / "partition.jsonl"
+    previous.write_text('{"kind": "header"}\n')
+    monkeypatch.setattr(sys, "argv", ["bench_partition", "--only", "bogus", "--json-out", str(previous)])
+    with pytest.raises(SystemExit):
+        _bench_module("bench_partition").main()
+    assert previous.read_text() == '{"kind": "header"}\n'  # once emptied before the check

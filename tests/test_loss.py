@@ -212,12 +212,50 @@ def test_bad_weights_on_a_device_make_the_loss_nan_without_a_host_sync() -> None
     # it every step): a bad weight turns the loss into NaN instead.
     dev = torch.device("cuda")
     losses = torch.tensor([1.0, 2.0, 3.0], device=dev, requires_grad=True)
+    ones, weights = torch.ones(3, device=dev), torch.tensor([1.0, -1.0, 0.0], device=dev)  # copies: before the mode
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        good = global_weighted_mean_loss(losses, torch.ones(3, device=dev))
-        bad = global_weighted_mean_loss(losses, torch.tensor([1.0, -1.0, 0.0], device=dev))
+        good = global_weighted_mean_loss(losses, ones)
+        bad = global_weighted_mean_loss(losses, weights)
         mean = global_mean_loss(losses, 2)
+        bad.backward()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert good.item() == pytest.approx(2.0) and math.isnan(bad.item()) and mean.item() == pytest.approx(1.5)
+    assert losses.grad is not None and bool(losses.grad.isnan().all())
+
+
+def _worker_device_semantics(rank: int, world: int) -> dict[str, Any]:
+    """The device path on CPU tensors (verdicts not read on the host), as on a GPU."""
+    import balancer.loss as L
+
+    L._host_readable = lambda t: False  # what a CUDA tensor gets
+    x = torch.tensor([1.0, 3.0, 5.0, 7.0], requires_grad=True)
+    out: dict[str, Any] = {}
+    try:  # rank 1: num_real past B, known on its host
+        loss = global_mean_loss(x, 5 if rank == 1 else 4)
+        loss.backward()
+        assert x.grad is not None
+        out["num_real"] = (float(loss), bool(x.grad.isnan().all()))
+    except ValueError as e:
+        out["num_real"] = str(e)
+    x.grad = None
+    loss = global_weighted_mean_loss(x, torch.tensor([1.0, -1.0, 1.0, 1.0]) if rank == 1 else torch.ones(4))
+    loss.backward()
+    assert x.grad is not None
+    out["weights"] = (float(loss), bool(x.grad.isnan().all()))
+    out["after"] = global_loss_value(global_mean_loss(x, 4))  # paired: the right value
+    return out
+
+
+def test_on_a_device_bad_input_makes_the_other_ranks_loss_and_gradients_nan() -> None:
+    # A CPU proxy of the GPU path: the verdicts travel, unread; a NaN loss with zero
+    # gradients (the first version) would have let an optimizer step on.
+    r0, r1 = run_workers(_worker_device_semantics, 2, timeout=120)
+    assert r1["num_real"].startswith("num_real=5, expected an int in [0, 4]"), r1
+    loss0, nan_grads0 = r0["num_real"]
+    assert math.isnan(loss0) and nan_grads0
+    for loss, nan_grads in (r0["weights"], r1["weights"]):
+        assert math.isnan(loss) and nan_grads
+    assert r0["after"] == r1["after"] == pytest.approx(4.0)
