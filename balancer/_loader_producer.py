@@ -102,11 +102,19 @@ class Run:
         self.stopping = False
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.done = threading.Event()  # the producer has returned
 
     def grant(self) -> None:
         with self.cond:
             self.credits += 1
             self.cond.notify()
+
+    def revoke(self) -> None:
+        """Take back the last :meth:`grant` if the producer has not used it yet (a ``next()``
+        interrupted before it got its batch: a peer stopped at the same count never grants it)."""
+        with self.cond:
+            if self.credits > 0:
+                self.credits -= 1
 
     def take(self) -> bool:
         """Producer: wait for a credit; ``False`` once stopping with none left."""
@@ -125,8 +133,12 @@ class Run:
             self.cond.notify_all()
 
     def join(self) -> None:
+        """Stop and wait for the producer. Safe to call again after an interrupt (Ctrl-C):
+        it waits on ``done``, not on ``Thread.join``, which once interrupted may return at
+        once on the next call while the thread still runs (CPython 3.11)."""
         self.stop()
         if self.thread is not None and self.thread is not threading.current_thread():
+            self.done.wait()
             self.thread.join()
 
 
@@ -221,6 +233,7 @@ def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler,
         run.items.put(Failed(e))
     finally:
         run.items.put(_DONE)
+        run.done.set()
 
 
 def _take(source: Iterator[Any], template: Template, exhausted: bool,

@@ -160,8 +160,11 @@ class BalancedLoader(Generic[_B]):
         self._pass_epoch = 0  # the epoch of that pass (or of a loaded state)
         self._skip = 0  # steps the next pass fast-forwards (load_state_dict)
         self._run: Run | None = None
+        self._ending: list[Run] = []  # runs being stopped: an interrupted join is taken up again
+        self._lock = threading.RLock()  # one pass starts or stops at a time, whichever thread asks
         self._stats: ShuffleStats | None = None
         self._closed = False
+        self._shut = False  # close() finished
         self._finalizer = weakref.finalize(self, _stop_quietly, [None])
 
     # ------------------------------------------------------------ iteration
@@ -171,6 +174,10 @@ class BalancedLoader(Generic[_B]):
         Stops a previous pass first (waiting for its credited steps). Resumes
         after the consumed batches of a loaded state.
         """
+        with self._lock:
+            return self._start_pass()
+
+    def _start_pass(self) -> Iterator[_B]:
         if self._closed:
             raise RuntimeError("BalancedLoader is closed")
         self._end_run()
@@ -203,7 +210,14 @@ class BalancedLoader(Generic[_B]):
         if run is not self._run:
             raise StopIteration  # a newer pass (or close) ended this one
         run.grant()
-        item = run.items.get()
+        try:
+            item = run.items.get()
+        except BaseException:
+            # Interrupted (Ctrl-C) before the batch came: the credit for a step
+            # ahead would make this rank's producer run a shuffle that a peer
+            # stopped at the same count never joins (close() would wait for it).
+            run.revoke()
+            raise
         if isinstance(item, Item):
             self._consumed += 1
             self._stats = item.stats
@@ -214,9 +228,13 @@ class BalancedLoader(Generic[_B]):
         raise StopIteration
 
     def _end_run(self) -> None:
-        run, self._run = self._run, None
-        if run is not None:
-            run.join()
+        with self._lock:
+            run, self._run = self._run, None
+            if run is not None:
+                self._ending.append(run)
+            while self._ending:
+                self._ending[0].join()  # interrupted (Ctrl-C): still listed, joined by the next call
+                self._ending.pop(0)
 
     # -------------------------------------------------------------- control
     @property
@@ -246,19 +264,32 @@ class BalancedLoader(Generic[_B]):
             target.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "consumed"}``: the epoch and the batches the user took from
-        its pass so far (equal on every rank that trained the same steps); 0
-        after ``set_epoch`` of an epoch whose pass has not started."""
+        """``{"epoch", "consumed", "world_size"}``: the epoch and the batches the user
+        took from its pass so far (equal on every rank that trained the same
+        steps; 0 after ``set_epoch`` of an epoch whose pass has not started),
+        and the number of ranks that took them."""
         consumed = self._consumed if self._pass_epoch == self._epoch else self._skip
-        return {"epoch": self._epoch, "consumed": consumed}
+        return {"epoch": self._epoch, "consumed": consumed, "world_size": self._world}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume from :meth:`state_dict`: the next pass of ``state["epoch"]``
-        skips its first ``state["consumed"]`` batches (stops a running pass)."""
+        skips its first ``state["consumed"]`` batches (stops a running pass).
+
+        Raises:
+            ValueError: a malformed state, or one saved by another number of
+                ranks (each rank's loader then shards the data differently, and
+                skipping ``consumed`` batches would lose or repeat samples).
+        """
         for key in ("epoch", "consumed"):
             v = state.get(key) if isinstance(state, dict) else None
             if not is_int(v, 0):
                 raise ValueError(f"BalancedLoader.load_state_dict: {key}={v!r}, expected an int >= 0")
+        saved = state.get("world_size", self._world)  # states without it predate the key
+        if saved != self._world:
+            raise ValueError(f"BalancedLoader.load_state_dict: world_size={saved!r}, expected {self._world} "
+                             "(the state was saved by another number of ranks: their loaders shard the data "
+                             "differently, so skipping its consumed batches would lose or repeat samples; "
+                             "start the epoch afresh with set_epoch instead)")
         self._end_run()
         self.set_epoch(state["epoch"])
         self._skip = self._consumed = state["consumed"]
@@ -267,13 +298,16 @@ class BalancedLoader(Generic[_B]):
     def close(self) -> None:
         """Stop the producer thread (after the steps it has credit for, which
         every peer that consumed as many batches runs too) and the shuffler.
-        Idempotent; iterating afterwards raises ``RuntimeError``."""
-        if self._closed:
-            return
-        self._closed = True
-        self._end_run()
-        self._finalizer.detach()
-        self._shuffler.close()
+        Idempotent (a ``close()`` interrupted by Ctrl-C finishes when called
+        again); iterating afterwards raises ``RuntimeError``."""
+        with self._lock:
+            if self._shut:
+                return
+            self._closed = True
+            self._end_run()
+            self._finalizer.detach()
+            self._shuffler.close()
+            self._shut = True
 
     def __enter__(self) -> BalancedLoader[_B]:
         return self

@@ -20,7 +20,7 @@ def test_loader_doc_snippets_run(capsys) -> None:  # noqa: ANN001
         exec(compile(code, f"{DOC.name}[block {i}]", "exec"), namespace)  # noqa: S102
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["0", "1"]
-    assert namespace["state"] == {"epoch": 1, "consumed": 1}
+    assert namespace["state"] == {"epoch": 1, "consumed": 1, "world_size": 1}
     assert [b.actual_batch_size for b in namespace["rest"]] == [4, 3]  # the rest of epoch 1
     assert namespace["sizes"] == [(4, 4, 7), (4, 4, 7), (4, 3, 7)]  # TokenBatch: the last one padded
     assert not [t for t in threading.enumerate() if t.name.startswith("balancer-loader")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -127,7 +129,7 @@ def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
         for epoch in range(3):
             loader.set_epoch(epoch)
             got = [(check_batch(b), loader.stats) for b in loader]
-            assert loader.state_dict() == {"epoch": epoch, "consumed": len(got)}
+            assert loader.state_dict() == {"epoch": epoch, "consumed": len(got), "world_size": w}
             out["epochs"].append([ids for ids, _ in got])
             for _, s in got:
                 assert s is not None and s.max_after <= s.max_before + 1e-9
@@ -591,7 +593,7 @@ def test_state_and_settings_are_validated() -> None:
             loader.load_state_dict({"epoch": 0})
         loader.load_state_dict({"epoch": 3, "consumed": 1})
         assert src.epoch == 3  # forwarded to the wrapped loader
-        assert len(list(loader)) == 1 and loader.state_dict() == {"epoch": 3, "consumed": 2}
+        assert len(list(loader)) == 1 and loader.state_dict() == {"epoch": 3, "consumed": 2, "world_size": 1}
         loader.set_epoch(4)
         assert len(list(loader)) == 2
 
@@ -621,18 +623,18 @@ def test_state_after_set_epoch_starts_the_new_epoch() -> None:
     full = run(None, range(3))
     with BalancedLoader(Source(0, [3, 2]), cost, **FAST) as loader:
         head = [check_batch(b) for b in loader]
-        assert loader.state_dict() == {"epoch": 0, "consumed": 3}
+        assert loader.state_dict() == {"epoch": 0, "consumed": 3, "world_size": 1}
         loader.set_epoch(1)
         state = loader.state_dict()
-    assert state == {"epoch": 1, "consumed": 0}
+    assert state == {"epoch": 1, "consumed": 0, "world_size": 1}
     assert head + run(state, range(1, 3)) == full
     with BalancedLoader(Source(0, [3, 2]), cost, **FAST) as loader:
         loader.load_state_dict({"epoch": 1, "consumed": 1})
-        assert loader.state_dict() == {"epoch": 1, "consumed": 1}  # the loaded point, before any pass
+        assert loader.state_dict() == {"epoch": 1, "consumed": 1, "world_size": 1}  # the loaded point, before any pass
         loader.set_epoch(1)
-        assert loader.state_dict() == {"epoch": 1, "consumed": 1}  # the same epoch keeps it
+        assert loader.state_dict() == {"epoch": 1, "consumed": 1, "world_size": 1}  # the same epoch keeps it
         loader.set_epoch(2)
-        assert loader.state_dict() == {"epoch": 2, "consumed": 0}
+        assert loader.state_dict() == {"epoch": 2, "consumed": 0, "world_size": 1}
 
 
 class _EpochBatchSampler:
@@ -718,3 +720,120 @@ def test_a_pass_without_batches_on_a_rank_fails_alike_after_a_restart() -> None:
     for out in run_workers(_empty_pass_worker, 2, timeout=120):
         assert out["epoch 0"] == "ok", out
         assert out["after epoch 0"] == out["resumed"] == "ValueError", out
+
+
+class _SlowFrom(Source):
+    """``Source`` whose batches from step ``slow_from`` on take 2 s to read."""
+
+    def __init__(self, rank: int, counts: list[int], slow_from: int) -> None:
+        super().__init__(rank, counts)
+        self.slow_from = slow_from
+
+    def __iter__(self) -> Iterator[IdBatch]:
+        for step, b in enumerate(super().__iter__()):
+            if step >= self.slow_from:
+                time.sleep(2)
+            yield b
+
+
+def _ctrl_c_in_next(rank: int, world: int) -> dict[str, Any]:
+    """Ctrl-C lands in rank 0's training step and in rank 1's next(), both after 2 batches."""
+    loader = BalancedLoader(_SlowFrom(rank, [8], 2), cost, ahead=1, timeout=30.0, **FAST)
+    consumed = 0
+    try:
+        for _ in loader:
+            consumed += 1
+            if consumed == 2:
+                if rank == 0:
+                    raise KeyboardInterrupt
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    except KeyboardInterrupt:
+        pass
+    t0 = time.perf_counter()
+    loader.close()
+    took = time.perf_counter() - t0
+    time.sleep(6 if rank == 0 else 0)  # rank 0 lives on (saving a checkpoint, say)
+    return {"consumed": consumed, "close_s": took}
+
+
+def test_a_ctrl_c_inside_next_does_not_leave_close_waiting_for_a_peer() -> None:
+    # Once the interrupted next() kept the credit it had granted: rank 1's producer ran a
+    # shuffle rank 0 never joined, and its close() waited until rank 0's process exited
+    # (up to the timeout).
+    outs = run_workers(_ctrl_c_in_next, 2, timeout=120)
+    assert [o["consumed"] for o in outs] == [2, 2]
+    assert all(o["close_s"] < 5 for o in outs), outs
+
+
+def _close_interrupted(rank: int, world: int) -> dict[str, Any]:
+    loader = BalancedLoader(_SlowFrom(rank, [6], 1), cost, ahead=1, timeout=30.0, **FAST)
+    it = iter(loader)
+    next(it)  # the producer now reads the slow second batch
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        loader.close()
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    loader.close()  # again: finishes the job
+    time.sleep(0.5)
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("balancer"))
+    return {"interrupted": interrupted, "alive": alive}
+
+
+def test_close_interrupted_by_ctrl_c_finishes_when_called_again() -> None:
+    # Once the first close() marked the loader closed before joining the producer: the
+    # retry returned at once, and the shuffler's thread and partition child leaked.
+    for out in run_workers(_close_interrupted, 2, timeout=120):
+        assert out == {"interrupted": True, "alive": []}, out
+
+
+def _resume_elsewhere(rank: int, world: int) -> str:
+    with BalancedLoader(Source(rank, [4]), cost, **FAST) as loader:
+        assert loader.state_dict() == {"epoch": 0, "consumed": 0, "world_size": world}
+        try:
+            loader.load_state_dict({"epoch": 0, "consumed": 1, "world_size": 3})
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+def test_a_state_saved_by_another_number_of_ranks_is_refused() -> None:
+    # Once loaded silently: 2 -> 3 ranks lost 8 samples and repeated 2.
+    for msg in run_workers(_resume_elsewhere, 2, timeout=120):
+        assert msg.startswith("BalancedLoader.load_state_dict: world_size=3, expected 2 (the state was saved by "
+                              "another number of ranks"), msg
+
+
+class _SlowToStart(Source):
+    def __iter__(self) -> Iterator[IdBatch]:
+        time.sleep(0.3)  # e.g. a DataLoader starting its workers
+        return super().__iter__()
+
+
+def test_passes_started_from_two_threads_leave_no_producer_behind() -> None:
+    # Once both threads' iter() started a producer and the loader kept only the last:
+    # the other was never stopped (alive after close()) and could take a sample from a pass.
+    loader = BalancedLoader(_SlowToStart(0, [3]), cost, **FAST)
+    start = threading.Barrier(2)
+    kept, counts, errors = [], [], []  # the iterators stay referenced (dropping one stops its producer)
+
+    def one_pass() -> None:
+        start.wait()
+        try:
+            it = iter(loader)
+            kept.append(it)
+            counts.append(sum(1 for _ in it))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one_pass) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loader.close()
+    time.sleep(0.2)
+    # One pass ends the other (as a second iter() in one thread does); the later runs whole.
+    assert errors == [] and max(counts) == 3, (errors, counts)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("balancer")] == []
