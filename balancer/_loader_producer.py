@@ -103,18 +103,25 @@ class Run:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.done = threading.Event()  # the producer has returned
+        self.owed = 0  # grants to absorb: credits of interrupted next() calls already in use
 
     def grant(self) -> None:
         with self.cond:
+            if self.owed:
+                self.owed -= 1  # a retried next(): its credit is the interrupted call's
+                return
             self.credits += 1
             self.cond.notify()
 
     def revoke(self) -> None:
-        """Take back the last :meth:`grant` if the producer has not used it yet (a ``next()``
-        interrupted before it got its batch: a peer stopped at the same count never grants it)."""
+        """Take back the last :meth:`grant` (a ``next()`` interrupted before it got its batch:
+        a peer stopped at the same count never grants it). If the producer already uses it
+        (``ahead=0``: the step this ``next()`` waits for), the next grant is absorbed instead."""
         with self.cond:
             if self.credits > 0:
                 self.credits -= 1
+            else:
+                self.owed += 1
 
     def take(self) -> bool:
         """Producer: wait for a credit; ``False`` once stopping with none left."""

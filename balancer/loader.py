@@ -181,6 +181,8 @@ class BalancedLoader(Generic[_B]):
         if self._closed:
             raise RuntimeError("BalancedLoader is closed")
         self._end_run()
+        if self._closed:  # closed while the previous pass ended (a signal handler, a finalizer)
+            raise RuntimeError("BalancedLoader is closed")
         skip, self._skip = self._skip, 0
         # The batch size (unless given) and the padding layout come from this
         # pass's batches only: a pass then behaves the same after earlier
@@ -222,7 +224,11 @@ class BalancedLoader(Generic[_B]):
             self._consumed += 1
             self._stats = item.stats
             return item.batch  # type: ignore[return-value]
-        self._end_run()
+        with self._lock:  # end this pass only: another thread may have started the next one
+            if self._run is run:
+                self._end_run()
+            else:
+                run.join()
         if isinstance(item, Failed):
             raise item.error
         raise StopIteration
@@ -233,8 +239,10 @@ class BalancedLoader(Generic[_B]):
             if run is not None:
                 self._ending.append(run)
             while self._ending:
-                self._ending[0].join()  # interrupted (Ctrl-C): still listed, joined by the next call
-                self._ending.pop(0)
+                ending = self._ending[0]
+                ending.join()  # interrupted (Ctrl-C): still listed, joined by the next call
+                if self._ending and self._ending[0] is ending:  # a re-entrant close() may have popped it
+                    self._ending.pop(0)
 
     # -------------------------------------------------------------- control
     @property
@@ -300,10 +308,19 @@ class BalancedLoader(Generic[_B]):
         every peer that consumed as many batches runs too) and the shuffler.
         Idempotent (a ``close()`` interrupted by Ctrl-C finishes when called
         again); iterating afterwards raises ``RuntimeError``."""
+        if self._shut:
+            return
+        self._closed = True
+        runs = [r for r in (self._run, *self._ending) if r is not None]
+        if any(r.thread is threading.current_thread() for r in runs):
+            # Called on a producer thread (a finalizer the garbage collector ran there): it
+            # cannot wait for itself, and the thread holding the lock may be waiting for it.
+            for r in runs:
+                r.stop()
+            return
         with self._lock:
             if self._shut:
                 return
-            self._closed = True
             self._end_run()
             self._finalizer.detach()
             self._shuffler.close()

@@ -838,3 +838,114 @@ def test_passes_started_from_two_threads_leave_no_producer_behind() -> None:
     # One pass ends the other (as a second iter() in one thread does); the later runs whole.
     assert errors == [] and max(counts) == 3, (errors, counts)
     assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("balancer")] == []
+
+
+class _SlowEnd(Source):
+    def __iter__(self) -> Iterator[IdBatch]:
+        time.sleep(0.3)
+        yield from super().__iter__()
+        time.sleep(1.0)  # the end of the pass takes a while to notice
+
+
+def test_a_pass_ending_on_one_thread_leaves_the_next_pass_alone() -> None:
+    # Once the thread whose pass ended stopped whichever pass was current by then: the one
+    # another thread had just started yielded 1 of its 2 batches and a plain StopIteration.
+    loader = BalancedLoader(_SlowEnd(0, [2]), cost, ahead=0, **FAST)
+    first = iter(loader)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.extend(first))
+    t.start()
+    time.sleep(0.6)  # the thread has its batches and waits for the (slow) end
+    second = list(iter(loader))
+    t.join()
+    loader.close()
+    assert len(second) == 2
+
+
+def _interrupted_then_continued(rank: int, world: int) -> dict[str, Any]:
+    """ahead=0: rank 0's third next() is interrupted (its step is running), then retried."""
+    loader = BalancedLoader(_SlowFrom(rank, [8], 2), cost, ahead=0, timeout=30.0, **FAST)
+    it = iter(loader)
+    got = [next(it), next(it)]
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            got.append(next(it))
+        except KeyboardInterrupt:
+            got.append(next(it))  # carry on with the same iterator
+    else:
+        got.append(next(it))
+    t0 = time.perf_counter()
+    loader.close()
+    took = time.perf_counter() - t0
+    time.sleep(6 if rank == 1 else 0)
+    return {"consumed": len(got), "close_s": took}
+
+
+def test_a_retried_next_does_not_grant_twice() -> None:
+    # With ahead=0 the interrupted next()'s credit was in use and could not be taken back;
+    # the retried next() once granted another, so rank 0's producer ran a shuffle rank 1
+    # never joined and close() waited until rank 1's process exited.
+    outs = run_workers(_interrupted_then_continued, 2, timeout=120)
+    assert [o["consumed"] for o in outs] == [3, 3]
+    assert all(o["close_s"] < 5 for o in outs), outs
+
+
+def _close_from_a_signal_handler(rank: int, world: int) -> dict[str, Any]:
+    loader = BalancedLoader(_SlowFrom(rank, [6], 1), cost, ahead=1, **FAST)
+    it = iter(loader)
+    next(it)  # the producer now reads the slow second batch
+    signal.signal(signal.SIGUSR1, lambda *_: loader.close())  # e.g. a preemption handler
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    try:
+        iter(loader)  # ends the first pass: waits for its credited step; closed meanwhile
+        outcome = "new pass"
+    except RuntimeError as e:
+        outcome = str(e)
+    time.sleep(0.3)
+    return {"outcome": outcome, "alive": [t.name for t in threading.enumerate() if t.name.startswith("balancer")]}
+
+
+def test_close_from_a_signal_handler_while_a_pass_ends() -> None:
+    # Once the handler's close() emptied the list of passes being ended under the outer
+    # call: IndexError from iter(); before that, iter() started a pass on a closed loader.
+    assert run_workers(_close_from_a_signal_handler, 1, timeout=120) == [
+        {"outcome": "BalancedLoader is closed", "alive": []}]
+
+
+def _close_on_the_producer_thread(rank: int, world: int) -> bool:
+    armed = threading.Event()
+
+    def collecting_cost(batch: BaseBatch) -> torch.Tensor:
+        if armed.is_set() and threading.current_thread().name == "balancer-loader":
+            armed.clear()
+            gc.collect()  # a collection that allocations on this thread happen to trigger
+        return cost(batch)
+
+    loader = BalancedLoader(_SlowFrom(rank, [6], 1), collecting_cost, ahead=1, **FAST)
+
+    class Owner:  # cyclic garbage whose finalizer closes the loader
+        def __init__(self) -> None:
+            self.me, self.loader = self, loader
+
+        def __del__(self) -> None:
+            self.loader.close()
+
+    gc.disable()
+    try:
+        it = iter(loader)
+        next(it)
+        Owner()
+        armed.set()
+        closer = threading.Thread(target=loader.close, daemon=True)
+        closer.start()  # takes the lock, waits for the producer's credited step
+        closer.join(20)
+        return not closer.is_alive()
+    finally:
+        gc.enable()
+
+
+def test_close_run_by_a_finalizer_on_the_producer_thread_does_not_deadlock() -> None:
+    # Once the finalizer's close() waited for the lock that the other thread's close() held
+    # while waiting for this very producer.
+    assert run_workers(_close_on_the_producer_thread, 1, timeout=120) == [True]
