@@ -139,3 +139,27 @@ def _identity(rank: int, world: int) -> tuple[int, int, int]:
 def test_the_identity_shuffler_reports_the_rank_within_its_group() -> None:
     # Once the global rank: 'rank 3 of 1'.
     assert run_workers(_identity, 4, timeout=120) == [(0, 1, 0), (0, 1, 0), (1, 1, 1), (1, 1, 1)]
+
+
+def _uneven_membership(rank: int, world: int) -> str:
+    """Rank 0 holds one more group than rank 2 (it is in [0, 1]); both shuffle over [0, 2]."""
+    dist.new_group([0, 1])
+    dp = _groups([[0, 2], [1, 3]], rank)
+    sh = BatchShuffler(token_count, timeout=3)
+    try:
+        _shuffled(sh, rank, dp, seed=7)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    finally:
+        sh.close()
+        dist.barrier()
+
+
+def test_uneven_group_membership_is_explained_when_the_groups_cannot_meet() -> None:
+    # torch's naming (pytorch#173608) stays; the setup error once blamed a peer that
+    # 'never started its first shuffle' and nothing else.
+    outs = run_workers(_uneven_membership, 4, timeout=120)
+    for r in (0, 2):
+        assert "whose global ranks are [0, 2]); over a subgroup this also happens where its ranks hold " \
+               "different numbers of process groups" in outs[r], outs[r]
