@@ -145,7 +145,7 @@ class ShuffleGroups:
     world_size: int
     rank: int
     timeout: float
-    ranks: tuple[int, ...] = ()
+    ranks: tuple[int, ...]
 
     @property
     def note(self) -> str:

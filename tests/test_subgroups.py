@@ -6,6 +6,7 @@ Real gloo process groups throughout; every sample of a group must end in that gr
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -78,17 +79,23 @@ def test_samples_stay_within_their_group() -> None:
         _conserved([outs[r] for r in members])
 
 
-def _not_a_member(rank: int, world: int) -> str:
-    g = dist.new_group([0, 1])
-    sh = BatchShuffler(token_count, timeout=20)
+def _outcome(sh: BatchShuffler, shuffle: Callable[[], Any], catch: type[Exception] = ValueError) -> str:
+    """'ok', or the message of the ``catch`` that ``shuffle()`` raised; then ``sh`` is closed and
+    every rank waits for the others (rank 0 hosts the store: it leaves last)."""
     try:
-        _shuffled(sh, rank, g, seed=4)
+        shuffle()
         return "ok"
-    except ValueError as e:
+    except catch as e:
         return str(e)
     finally:
         sh.close()
         dist.barrier()
+
+
+def _not_a_member(rank: int, world: int) -> str:
+    g = dist.new_group([0, 1])
+    sh = BatchShuffler(token_count, timeout=20)
+    return _outcome(sh, lambda: _shuffled(sh, rank, g, seed=4))
 
 
 def test_a_rank_outside_the_group_is_refused_at_once() -> None:
@@ -103,15 +110,7 @@ def test_a_rank_outside_the_group_is_refused_at_once() -> None:
 def _bad_batch_size(rank: int, world: int) -> str:
     dp = _groups([[0, 1, 3], [2]], rank)
     sh = BatchShuffler(token_count, timeout=20)
-    try:
-        x = make_batch(rank, 7 if rank == 3 else 6, 3, seed=5)
-        sh.shuffle(x, dp)
-        return "ok"
-    except ValueError as e:
-        return str(e)
-    finally:
-        sh.close()
-        dist.barrier()
+    return _outcome(sh, lambda: sh.shuffle(make_batch(rank, 7 if rank == 3 else 6, 3, seed=5), dp))
 
 
 def test_errors_in_a_subgroup_say_which_global_ranks_they_mean() -> None:
@@ -146,14 +145,7 @@ def _uneven_membership(rank: int, world: int) -> str:
     dist.new_group([0, 1])
     dp = _groups([[0, 2], [1, 3]], rank)
     sh = BatchShuffler(token_count, timeout=3)
-    try:
-        _shuffled(sh, rank, dp, seed=7)
-        return "ok"
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return str(e)
-    finally:
-        sh.close()
-        dist.barrier()
+    return _outcome(sh, lambda: _shuffled(sh, rank, dp, seed=7), catch=Exception)  # a ShuffleAbortedError
 
 
 def test_uneven_group_membership_is_explained_when_the_groups_cannot_meet() -> None:
