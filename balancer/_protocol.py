@@ -306,6 +306,9 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
     layout = meta.layout
     if layout is None or meta.status:
         return
+    _padding_checks(meta, layout, lengths)
+    if meta.status:
+        return
     padded = next((s for s in layout.sections if s.jagged and s.padded), None)
     if padded is not None:  # padded tokens: every sample fits L (not the stride: a field's width may be 0)
         longest = int(lengths[padded.row : padded.row + padded.count].max(initial=0))
@@ -321,6 +324,27 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
             what = "sum(seq_lens)" if s.part == "tokens" else "sum(lengths)"
             _fail(meta, Status.BAD_LENGTHS, f"{section_name(s)} has {got} elements, expected {what} * "
                   f"{s.width} = {expected} (rank {r})")
+
+
+def _padding_checks(meta: LocalMeta, layout: WireLayout, lengths: np.ndarray) -> None:
+    """Padding samples (from ``actual_batch_size`` on) hold no tokens: a length there would
+    be kept where no sample moves and dropped where samples move (the shuffle writes padding
+    anew), so the output would depend on the plan. Checked on the lengths phase 1 already
+    holds on the host (``BaseBatch`` checks it at construction only on the CPU)."""
+    tail = lengths[:, meta.real :]
+    if not tail.any():
+        return
+    row, col = (int(i) for i in np.argwhere(tail)[0])
+    sample, got = meta.real + col, int(tail[row, col])
+    if layout.is_tokens:
+        what, fix = f"seq_lens {got}", "TokenBatch.pad appends such samples"
+    else:
+        spec = next(k for k in layout.kjts if k.row <= row < k.row + len(k.keys))
+        what = f"length {got} for key {spec.keys[row - spec.row]!r} of {spec.name}"
+        fix = "pad_batch appends such samples"
+    _fail(meta, Status.BAD_LENGTHS, f"padding sample {sample} (actual_batch_size={meta.real}) has {what}, "
+          f"expected 0: samples from actual_batch_size on are padding and hold no data; {fix}, or "
+          f"raise actual_batch_size to count it as real (rank {meta.rank})")
 
 
 def layout_description(meta: LocalMeta) -> dict[str, str]:

@@ -111,9 +111,63 @@ class TokenBatch:
         for name, t in self.samples.items():
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b:
                 raise ValueError(f"samples[{name!r}]: {_describe(t)}, expected [batch_size={b}, ...]")
+        for field in ("tokens", "samples"):
+            for name, t in getattr(self, field).items():
+                if t.device != s.device:
+                    raise ValueError(f"{field}[{name!r}] is on {t.device}, expected seq_lens' device {s.device} "
+                                     "(every tensor of a batch lives on one device)")
         problems = pad_value_problems(self.tokens, self.pad_values)
         if problems:
             raise ValueError(problems[0])
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor, tokens: dict[str, torch.Tensor], *,
+                  samples: dict[str, torch.Tensor] | None = None, actual_batch_size: int | None = None,
+                  pad_multiple: int = 1, pad_values: dict[str, int | float] | None = None) -> TokenBatch:
+        """A padded batch from tensors whose valid tokens ``attention_mask`` marks, padded on
+        the left, the right or both (an RL rollout: the prompt left-padded, the response
+        right-padded).
+
+        A padded ``TokenBatch`` holds sample ``i``'s tokens in its first ``seq_lens[i]``
+        positions; this moves each row's valid tokens there, in their order, and writes
+        ``pad_values`` behind them (device ops: nothing is read on the host).
+
+        Args:
+            attention_mask: ``[B, L]``, nonzero (or True) on valid tokens.
+            tokens: per-token tensors ``[B, L, *shape]``; the others as in the class.
+
+        Example: mask rows ``[0, 0, 1, 1, 0]`` and ``[1, 1, 1, 0, 0]`` give ``seq_lens``
+        ``[2, 3]``, the first row's two tokens moved to positions 0 and 1.
+        """
+        m = attention_mask
+        if not isinstance(m, torch.Tensor) or m.dim() != 2:
+            raise ValueError(f"attention_mask: {_describe(m)}, expected [B, L]")
+        if not isinstance(tokens, dict):
+            raise ValueError(f"tokens: a {type(tokens).__name__}, expected a dict of name -> tensor")
+        for name, t in tokens.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != tuple(m.shape):
+                raise ValueError(f"tokens[{name!r}]: {_describe(t)}, expected [B, L, ...] with [B, L] = "
+                                 f"attention_mask's {tuple(m.shape)}")
+            if t.device != m.device:
+                raise ValueError(f"tokens[{name!r}] is on {t.device}, expected attention_mask's {m.device}")
+        pads = {} if pad_values is None else pad_values
+        problems = pad_value_problems(tokens, pads)
+        if problems:
+            raise ValueError(problems[0])
+        valid = m != 0
+        # A stable sort of "is padding" puts each row's valid positions first, in order.
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+        seq_lens = valid.sum(dim=1)
+        keep = torch.arange(m.shape[1], device=m.device)[None, :] < seq_lens[:, None]
+        moved = {}
+        for name, t in tokens.items():
+            index = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(*order.shape, *t.shape[2:])
+            out = t.gather(1, index)
+            fill = keep.view(*keep.shape, *([1] * (t.dim() - 2)))
+            moved[name] = out.masked_fill(~fill, pads.get(name, 0))
+        return cls(batch_size=int(m.shape[0]), seq_lens=seq_lens, tokens=moved,
+                   samples={} if samples is None else samples, actual_batch_size=actual_batch_size,
+                   pad_multiple=pad_multiple, pad_values=pads)
 
     @property
     def device(self) -> torch.device:

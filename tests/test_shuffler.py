@@ -767,3 +767,26 @@ def _stride0_worker(rank: int, w: int, comm: str) -> tuple[list[Any], list[Any]]
 def test_empty_values_with_stride_zero_shuffle(comm: str) -> None:
     outs = run_workers(_stride0_worker, 3, comm, timeout=120)
     assert Counter(r for before, _ in outs for r in before) == Counter(r for _, after in outs for r in after)
+
+
+def _padding_lengths_worker(rank: int, w: int) -> tuple[str, str]:
+    batch = make_batch(rank, 4, 4, seed=5, zero_frac=0.0)
+    if rank == 0:
+        # As a batch built on a GPU can be (its padding contents are checked at
+        # construction only on the CPU): sample 3 becomes padding with its lengths.
+        batch.actual_batch_size = 3
+    try:
+        BatchShuffler(token_count).shuffle(batch)
+        return ("ok", "")
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+def test_a_padding_sample_with_lengths_fails_on_every_rank() -> None:
+    lens = make_batch(0, 4, 4, seed=5, zero_frac=0.0).features.lengths().view(len(KEYS), 4)[:, 3].tolist()
+    key = next(i for i, n in enumerate(lens) if n)
+    for kind, msg in run_workers(_padding_lengths_worker, 2, timeout=120):
+        assert kind == "ValueError" and f"padding sample 3 (actual_batch_size=3) has length {lens[key]} for key " \
+            f"{KEYS[key]!r} of features, expected 0: samples from actual_batch_size on are padding and hold " \
+            "no data; pad_batch appends such samples, or raise actual_batch_size to count it as real (rank 0)" \
+            in msg, msg

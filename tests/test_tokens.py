@@ -424,3 +424,83 @@ def test_a_negative_length_is_named_before_the_workload_it_made_negative() -> No
                                          r"negative or >= 2\*\*31 \(rank 0\)"):
         s.shuffle(batch)
     s.close()
+
+
+def _padding_tokens_worker(rank: int, w: int) -> tuple[str, str]:
+    # verl-style padding: a repeated real sample past actual_batch_size, seq_lens
+    # left as they were. Kept where nothing moved, dropped where samples moved.
+    lens = torch.tensor([2, 3, 4]) if rank == 1 else torch.tensor([5, 1, 0])
+    tokens = {"ids": torch.arange(15).view(3, 5) + 1}
+    batch = TokenBatch(batch_size=3, seq_lens=lens, tokens=tokens, actual_batch_size=2)
+    try:
+        BatchShuffler(lambda b: b.seq_lens.double() ** 2).shuffle(batch)
+        return ("ok", "")
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+def test_a_padding_sample_with_tokens_fails_on_every_rank() -> None:
+    # The output depended on the plan: the padding sample kept its 4 tokens
+    # (and its labels reached the loss) where nothing moved, and came back
+    # empty where samples moved.
+    for kind, msg in run_workers(_padding_tokens_worker, 2, timeout=120):
+        assert kind == "ValueError" and "padding sample 2 (actual_batch_size=2) has seq_lens 4, expected 0: " \
+            "samples from actual_batch_size on are padding and hold no data; TokenBatch.pad appends such " \
+            "samples, or raise actual_batch_size to count it as real (rank 1)" in msg, msg
+
+
+def _from_mask_reference(mask: torch.Tensor, t: torch.Tensor, pad: int | float) -> tuple[list[int], torch.Tensor]:
+    """Row by row: the valid positions' tokens, in order, then ``pad``."""
+    out = torch.full_like(t, pad)
+    lens = []
+    for i in range(mask.shape[0]):
+        pos = [j for j in range(mask.shape[1]) if mask[i, j]]
+        out[i, : len(pos)] = t[i, pos]
+        lens.append(len(pos))
+    return lens, out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_from_mask_moves_each_rows_valid_tokens_to_its_front(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    b, length = 6, 9
+    mask = torch.rand(b, length, generator=g) < 0.6  # left, right, mixed and empty rows
+    mask[0] = torch.arange(length) >= 4  # left-padded
+    mask[1] = torch.arange(length) < 3  # right-padded
+    mask[2] = (torch.arange(length) >= 2) & (torch.arange(length) < 7)  # prompt left, response right
+    mask[5] = False  # a padding sample
+    ids = torch.randint(1, 1000, (b, length), generator=g)
+    emb = torch.randn(b, length, 2, 3, generator=g)
+    with HostReadRecorder() as reads:
+        batch = TokenBatch.from_mask(mask.to(torch.int64), {"ids": ids, "emb": emb, "mask": mask},
+                                     samples={"r": torch.arange(b)}, actual_batch_size=5, pad_values={"ids": -7})
+    assert not reads.calls, reads.calls
+    lens, want_ids = _from_mask_reference(mask, ids, -7)
+    assert batch.seq_lens.tolist() == lens and lens[:3] == [5, 3, 5]
+    assert torch.equal(batch.tokens["ids"], want_ids)
+    assert torch.equal(batch.tokens["emb"], _from_mask_reference(mask, emb, 0.0)[1])
+    assert torch.equal(batch.tokens["mask"], batch.attention_mask())  # right-padded now
+    assert batch.actual_batch_size == 5 and batch.pad_values == {"ids": -7} and not batch.packed
+
+
+def test_from_mask_errors() -> None:
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"attention_mask: shape \(6,\) and dtype torch.float32, expected \[B, L\]"):
+        TokenBatch.from_mask(mask.view(-1), {"ids": torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match=r"tokens\['ids'\]: shape \(2, 4\) and dtype torch.int64, expected "
+                                         r"\[B, L, \.\.\.\] with \[B, L\] = attention_mask's \(2, 3\)"):
+        TokenBatch.from_mask(mask, {"ids": torch.zeros(2, 4, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"tokens\['ids'\] is on meta, expected attention_mask's cpu"):
+        TokenBatch.from_mask(mask, {"ids": torch.zeros(2, 3, device="meta")})
+    with pytest.raises(ValueError, match=r"pad_values: key 'labels' names no token field"):
+        TokenBatch.from_mask(mask, {"ids": torch.zeros(2, 3)}, pad_values={"labels": -100})
+
+
+def test_tensors_on_another_device_than_seq_lens_are_refused() -> None:
+    # Accepted before: one rank returned a batch while its peer failed in phase 2.
+    lens = torch.tensor([2, 1])
+    with pytest.raises(ValueError, match=r"tokens\['ids'\] is on meta, expected seq_lens' device cpu"):
+        TokenBatch(batch_size=2, seq_lens=lens, tokens={"ids": torch.zeros(2, 3, device="meta")})
+    with pytest.raises(ValueError, match=r"samples\['r'\] is on meta, expected seq_lens' device cpu"):
+        TokenBatch(batch_size=2, seq_lens=lens, tokens={"ids": torch.zeros(2, 3)},
+                   samples={"r": torch.zeros(2, device="meta")})
