@@ -68,6 +68,18 @@ class DispatchRound:
         return [self.ids[np.asarray(m, dtype=np.int64)] for m in self.plan.micro_batches[rank]]
 
 
+# plan_dispatch's settings that every round takes as they are.
+_PASSED = ("max_tokens", "num_micro_batches", "min_micro_batches", "divisible_by")
+# ... and those a round cannot take from the constructor.
+_REFUSED = {
+    "groups": "group ids are per sample, and a round picks its samples from the window, so ids given "
+              "here would be applied by position to other samples; BufferedDispatcher does not keep "
+              "groups together (plan_dispatch(groups=...) does, for one global batch)",
+    "equal_count": "every rank gets samples_per_rank samples a round (a last, partial round is shared "
+                   "unevenly by itself); for free counts use plan_dispatch(equal_count=False)",
+}
+
+
 class BufferedDispatcher:
     """Dispatch rounds of ``world_size x samples_per_rank`` samples from a window.
 
@@ -98,8 +110,11 @@ class BufferedDispatcher:
             ``padded`` scoring needs ``micro_batch_size``.
 
     Raises:
-        ValueError: non-positive sizes, or ``padded`` without
-            ``micro_batch_size``.
+        ValueError: non-positive sizes, ``padded`` without
+            ``micro_batch_size``, or another keyword (``groups`` and
+            ``equal_count`` of ``plan_dispatch`` among them: a round picks
+            its samples from the window, so per-sample group ids cannot be
+            given up front, and every rank gets ``samples_per_rank``).
     """
 
     def __init__(self, world_size: int, samples_per_rank: int, *, window: int = 4,
@@ -111,6 +126,11 @@ class BufferedDispatcher:
         if padded and micro_batch_size is None:
             raise ValueError("BufferedDispatcher: padded=True needs micro_batch_size (rows per "
                              "micro-batch) to score a window's padding")
+        unknown = sorted(set(dispatch_kwargs) - set(_PASSED))
+        if unknown:
+            name = unknown[0]
+            why = _REFUSED.get(name, f"expected one of {', '.join(('cost', 'padded', 'micro_batch_size') + _PASSED)}")
+            raise ValueError(f"BufferedDispatcher: {name}={dispatch_kwargs[name]!r} is not accepted: {why}")
         fn = row_cost(cost)
         if fn is None:
             raise ValueError("BufferedDispatcher: cost must be a function of length (or None), "

@@ -428,6 +428,49 @@ def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
     )
 
 
+# _agree's unit count of an empty rank: above any real one, so the minimum skips it.
+_NO_UNITS = 1 << 61
+
+
+def _no_samples(lengths: Any, cost: Any, groups: Any, where: str) -> bool:
+    """Whether ``lengths`` holds no sample (an empty list, array or tensor); then an
+    array ``cost`` or ``groups`` must be empty too."""
+    if isinstance(lengths, torch.Tensor):
+        size = lengths.numel() if lengths.dim() == 1 else -1
+    else:
+        arr = np.asarray(lengths)
+        size = arr.size if arr.ndim == 1 else -1
+    if size != 0:
+        return False
+    for name, value in (("cost", cost), ("groups", groups)):
+        if value is None or callable(value) or hasattr(value, "of_lengths") or hasattr(value, "coefficients"):
+            continue
+        got = value.numel() if isinstance(value, torch.Tensor) else np.asarray(value).size
+        if got:
+            raise ValueError(f"{name} has {got} entries, expected 0 like lengths ({where})")
+    return True
+
+
+def _fewest_allowed(num: int | None, lo: int, div: int, where: str) -> int:
+    """The ``k`` of a rank with no samples: ``num`` (checked as for any rank), else the
+    smallest multiple of ``div`` that is ``>= lo``."""
+    if num is None:
+        return -(-lo // div) * div
+    if num % div or num < lo:
+        raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
+                         f"multiple of divisible_by={div} ({where})")
+    return num
+
+
+def _empty_plan(k: int, local_min: int, padded: bool) -> MicroBatchPlan:
+    """``k`` empty micro-batches: a rank with no samples still runs the step's ``k`` passes."""
+    zeros = np.zeros(k, np.int64)
+    return MicroBatchPlan(micro_batches=[[] for _ in range(k)], inverse=np.zeros(0, np.int64),
+                          num_micro_batches=k, local_min=local_min, token_bound=0, padded=padded,
+                          costs=np.zeros(k), tokens=zeros, padded_tokens=zeros.copy(), bound=0.0,
+                          objective_before=0.0, padded_tokens_before=0)
+
+
 def plan_micro_batches(
     lengths: Any,
     *,
@@ -499,8 +542,14 @@ def plan_micro_batches(
     Returns:
         A :class:`MicroBatchPlan`.
 
+    A rank with no samples (empty ``lengths``: an all-padding batch at the end of
+    an uneven epoch) gets ``k`` empty micro-batches, ``k`` being what the other
+    ranks agree on (the fewest allowed where every rank is empty), so that it
+    runs the step's ``k`` forward/backward passes with them; it does not count
+    as "too few samples" for the others' ``k``.
+
     Raises:
-        ValueError: empty, non-1-D, negative, NaN, bool or non-integer lengths;
+        ValueError: non-1-D, negative, NaN, bool or non-integer lengths;
             costs that are negative, not finite, bools or sum to ``1e300`` or
             more; a sample or group longer than ``max_tokens`` (named, with its
             length and the budget); bad settings (non-positive ints, flags
@@ -517,6 +566,7 @@ def plan_micro_batches(
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
     err: BaseException | None = None
     un: Units | None = None
+    empty = False
     k_local = bound = 0
     cache: dict[int, Any] = {}
     try:
@@ -530,11 +580,15 @@ def plan_micro_batches(
         if micro_batch_size is not None and not padded:
             raise ValueError(f"micro_batch_size={micro_batch_size} bounds the rows of padded "
                              f"micro-batches; pass padded=True or use max_tokens ({where})")
-        lens = as_lengths(lengths, where)
-        un = make_units(lens, cost, groups, padded, where)
-        check_fits(un, max_tokens, micro_batch_size, padded, where)
-        k_local, bound, cache = _local_k(un, max_tokens, micro_batch_size, padded,
-                                         num_micro_batches, min_micro_batches, divisible_by, where)
+        empty = _no_samples(lengths, cost, groups, where)
+        if empty:
+            k_local = _fewest_allowed(num_micro_batches, min_micro_batches, divisible_by, where)
+        else:
+            lens = as_lengths(lengths, where)
+            un = make_units(lens, cost, groups, padded, where)
+            check_fits(un, max_tokens, micro_batch_size, padded, where)
+            k_local, bound, cache = _local_k(un, max_tokens, micro_batch_size, padded,
+                                             num_micro_batches, min_micro_batches, divisible_by, where)
     except BaseException as e:  # noqa: BLE001 - any failure (a cost function's too, or a KeyboardInterrupt
         # in it) goes through the agreement, then is raised here as itself
         if not collective:
@@ -544,7 +598,9 @@ def plan_micro_batches(
     if collective:
         fp = _fingerprint(num_micro_batches, max_tokens, min_micro_batches, divisible_by,
                           micro_batch_size, padded, cost, groups is None)
-        units = 0 if un is None else un.tokens.size
+        # An empty rank takes the others' k (its micro-batches are empty): it does not
+        # count towards the fewest units that k must not exceed.
+        units = _NO_UNITS if empty else 0 if un is None else un.tokens.size
         k, bad, same, min_units = _agree(k_local, fp, err is not None, units, pg)
         if err is not None:
             raise err
@@ -559,6 +615,8 @@ def plan_micro_batches(
         if k > min_units:
             raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
                              f"samples or groups: a micro-batch would be empty ({where})")
+    if empty:
+        return _empty_plan(k, k_local, padded)
     assert un is not None, "set unless an error was raised"
     # k >= k_local, and k <= this rank's units (checked in the agreement): a cut exists.
     cut = _cut_at(un, k, max_tokens, micro_batch_size, padded, cache)

@@ -172,3 +172,18 @@ def test_an_empty_put_adds_nothing() -> None:
     assert disp.pending == 4
     got, want = disp.next(), ref.next()
     assert got.ids.tolist() == want.ids.tolist() and got.plan.ranks == want.plan.ranks
+
+
+def test_settings_a_round_cannot_take_are_refused() -> None:
+    # groups=[0, 0, 1, 1] went to every round's plan_dispatch by position, so a
+    # group's samples were split across rounds and ranks (236 of 240 rounds of a
+    # GRPO-style loop); equal_count=False was ignored; a misspelt setting
+    # failed only at the first round, with a TypeError.
+    with pytest.raises(ValueError, match=r"groups=\[0, 0, 1, 1\] is not accepted: group ids are per sample, "
+                                         r"and a round picks its samples from the window"):
+        BufferedDispatcher(2, 2, groups=[0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"equal_count=False is not accepted: every rank gets samples_per_rank"):
+        BufferedDispatcher(2, 2, equal_count=False)
+    with pytest.raises(ValueError, match=r"max_token=5 is not accepted: expected one of cost, padded, "
+                                         r"micro_batch_size, max_tokens, num_micro_batches"):
+        BufferedDispatcher(2, 2, max_token=5)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -259,7 +261,10 @@ def test_inputs_tensors_costs_and_restore() -> None:
      r"sample 1 needs 9000 tokens, more than max_tokens=8192; it must fit in one micro-batch \(rank 0\)"),
     ([100, 3000, 2000, 50], {"max_tokens": 5000, "padded": True, "groups": [0, 1, 1, 2]},
      r"group of samples \[1, 2\] needs 2 rows x 3000 = 6000 tokens, more than max_tokens=5000"),
-    ([], {}, r"lengths is empty, expected at least one sample \(rank 0\)"),
+    ([], {"cost": np.ones(2)}, r"cost has 2 entries, expected 0 like lengths \(rank 0\)"),
+    ([], {"groups": [0]}, r"groups has 1 entries, expected 0 like lengths \(rank 0\)"),
+    ([], {"num_micro_batches": 3, "divisible_by": 2},
+     r"num_micro_batches=3 must be >= min_micro_batches=1 and a multiple of divisible_by=2 \(rank 0\)"),
     ([[1, 2]], {}, r"lengths has shape \(1, 2\), expected 1-D \[N\]"),
     ([3, float("nan")], {}, r"lengths\[1\] = nan, expected an integer >= 0 and below 2\*\*53 \(rank 0\)"),
     # float64 once read 2**53 + 1 as 2**53 (a group over its budget passed) and 2**63 - 1 as -2**63
@@ -285,7 +290,8 @@ def test_inputs_tensors_costs_and_restore() -> None:
     # bools were 0/1 tokens or costs (a bool cost crashed in numpy's subtract)
     (np.array([True, False]), {}, r"lengths has dtype bool, expected integer token counts \(rank 0\)"),
     ([1, 2], {"cost": np.array([True, False]), "max_tokens": 5}, r"cost has dtype bool, expected numbers"),
-    ([1, 2], {"padded": np.False_}, r"padded=np.False_, expected a Python bool \(rank 0\)"),
+    ([1, 2], {"padded": np.False_},
+     rf"padded={re.escape(repr(np.False_))} \(bool_?\), expected a Python bool \(rank 0\)"),
     # near float64's largest value the bound came out inf and the gap -1
     ([1, 2, 3, 4], {"cost": np.full(4, 1.7e308), "num_micro_batches": 2},
      r"costs sum to inf, expected below 1e\+300 .*scale them down \(rank 0\)"),
@@ -527,3 +533,35 @@ def test_a_bound_never_above_the_plan_with_costly_empty_samples() -> None:
         plan = plan_micro_batches([1, 0, 1], max_tokens=2, cost=cost)
         assert plan.num_micro_batches == 1 and plan.bound == pytest.approx(plan.objective, rel=1e-9)
         assert plan.bound <= plan.objective
+
+
+def test_a_rank_without_samples_gets_empty_micro_batches_locally() -> None:
+    for lengths in ([], np.zeros(0, np.int64), torch.zeros(0, dtype=torch.int64)):
+        plan = plan_micro_batches(lengths, max_tokens=10, min_micro_batches=3, divisible_by=2)
+        assert plan.micro_batches == [[]] * 4 and plan.num_micro_batches == 4 and plan.order.size == 0
+        assert plan.tokens.tolist() == [0] * 4 and plan.inverse.size == 0 and plan.objective == 0.0
+    assert plan_micro_batches([], num_micro_batches=2, padded=True, micro_batch_size=3).micro_batches == [[], []]
+
+
+def _empty_rank_worker(rank: int, w: int, lengths: list[list[int]], kwargs: dict[str, Any]) -> Any:
+    try:
+        plan = plan_micro_batches(lengths[rank], **kwargs)
+        return plan.num_micro_batches, plan.micro_batches
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_without_samples_takes_the_others_count() -> None:
+    # An all-padding batch at the end of an uneven epoch (BalancedLoader) has no
+    # real sample: plan_micro_batches raised 'lengths is empty' on every rank,
+    # and skipping the call there would hang the others in its all-reduce.
+    outs = run_workers(_empty_rank_worker, 3, [[], [5, 1, 4, 2, 3, 3], [3, 4, 6]], {"max_tokens": 7}, timeout=120)
+    assert [o[0] for o in outs] == [3, 3, 3], outs
+    assert outs[0][1] == [[], [], []]
+    assert sorted(i for m in outs[1][1] for i in m) == list(range(6))
+    assert sorted(i for m in outs[2][1] for i in m) == [0, 1, 2] and all(outs[2][1])
+    # Only a rank with no sample at all is exempt: one with fewer samples than k still fails everywhere.
+    outs = run_workers(_empty_rank_worker, 3, [[], [5, 1, 4, 2, 3, 3], [7]], {"max_tokens": 7}, timeout=120)
+    assert all("the ranks need 3 micro-batches but one has only 1 samples" in o for o in outs), outs
+    outs = run_workers(_empty_rank_worker, 2, [[], []], {"min_micro_batches": 2}, timeout=120)
+    assert outs == [(2, [[], []])] * 2
