@@ -16,6 +16,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
+import torch
+
 __all__ = ["as_count", "is_int"]
 
 
@@ -26,7 +29,8 @@ def is_int(value: Any, minimum: int | None = None) -> bool:
 
 def as_count(value: Any) -> int | None:
     """``value`` as a Python int if it is an integer (numpy ones too; not a bool), else ``None``."""
-    if isinstance(value, bool):
+    # numpy 1.x's bool_ and a bool tensor have __index__ (True -> 1): refused by type.
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     try:
         return operator.index(value)

@@ -170,7 +170,8 @@ def check_fits(un: Units, cap: int | None, mbs: int | None, padded: bool, where:
 def check_flag(name: str, value: Any, where: str) -> None:
     """A Python bool (np.False_ was falsy in one check and ``is not False`` in another)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}, expected a Python bool ({where})")
+        # The type too: numpy 1.x shows np.False_ as a bare "False".
+        raise ValueError(f"{name}={value!r} ({type(value).__name__}), expected a Python bool ({where})")
 
 
 def check_positive(name: str, value: Any, where: str, allow_none: bool = False) -> None:

@@ -139,11 +139,14 @@ def _entry(
             dist.destroy_process_group()
     try:
         # A queue drops what it cannot pickle in its feeder thread, silently;
-        # pickle here so the parent gets an error instead of a timeout.
-        pickle.dumps(out)
+        # pickle here so the parent gets an error instead of a timeout. Sent as
+        # bytes: the queue's own pickler shares a tensor's storage through a
+        # file descriptor that is gone once this process exits.
+        data = pickle.dumps(out)
     except Exception as e:  # noqa: BLE001 - reported to the parent
-        out = WorkerError(rank, type(e).__name__, f"result is not picklable: {e}", traceback.format_exc())
-    q.put((rank, out))
+        data = pickle.dumps(WorkerError(rank, type(e).__name__, f"result is not picklable: {e}",
+                                        traceback.format_exc()))
+    q.put((rank, data))
 
 
 def run_workers_outcomes(
@@ -252,8 +255,8 @@ def _collect(q: Any, procs: list[Any], results: dict[int, Any], timeout: float, 
                                          "another rank died without a result", text)
             return
         try:
-            rank, out = q.get(timeout=min(0.5, limit - now))
-            results[rank] = out
+            rank, data = q.get(timeout=min(0.5, limit - now))
+            results[rank] = out = pickle.loads(data)
             if isinstance(out, WorkerError) and out.type_name == "DistNetworkError" and "EADDRINUSE" in out.message:
                 raise _PortTaken
             continue
@@ -264,8 +267,8 @@ def _collect(q: Any, procs: list[Any], results: dict[int, Any], timeout: float, 
             continue
         try:  # a rank that reported just before exiting: its result is in the pipe
             while True:
-                rank, out = q.get(timeout=1.0)
-                results[rank] = out
+                rank, data = q.get(timeout=1.0)
+                results[rank] = pickle.loads(data)
         except queue.Empty:
             pass
         for r in exited:

@@ -21,7 +21,7 @@ def test_is_int(value: object, minimum: int | None, expected: bool) -> None:
 
 @pytest.mark.parametrize("value,expected", [
     (3, 3), (np.int64(3), 3), (np.uint8(7), 7), (torch.tensor(5), 5), (-1, -1),
-    (True, None), (np.bool_(True), None), (3.0, None), (np.float64(3), None), ("3", None), (None, None),
+    (True, None), (np.bool_(True), None), (torch.tensor(True), None), (3.0, None), (np.float64(3), None), ("3", None), (None, None),
 ])
 def test_as_count(value: object, expected: int | None) -> None:
     got = as_count(value)

@@ -105,3 +105,15 @@ def test_a_taken_rendezvous_port_is_launched_again(monkeypatch: pytest.MonkeyPat
             run_workers(_sum_ranks, 2, timeout=60)
     finally:
         held.close()
+
+
+def _tensor_result(rank: int, w: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(4) + rank, "y": torch.full((2, 2), float(rank))}
+
+
+def test_a_worker_may_return_tensors() -> None:
+    # The queue's pickler shared their storage through a file descriptor that was
+    # gone once the worker exited: ConnectionResetError or FileNotFoundError.
+    outs = run_workers(_tensor_result, 2, timeout=60)
+    for r, o in enumerate(outs):
+        assert torch.equal(o["x"], torch.arange(4) + r) and torch.equal(o["y"], torch.full((2, 2), float(r)))
