@@ -30,6 +30,11 @@ weights ``w_i`` (1 for a plain mean). Let ``S_r = sum_i w_i l_i`` over rank
 Either way the loss, and every gradient, depends only on the *set* of samples
 in the global batch, not on their placement (up to float32 summation order).
 
+One call per optimizer step. Under gradient accumulation a call per
+micro-batch normalises each by its own count, weighting micro-batches alike
+rather than samples; there, all-reduce the step's count once and divide each
+micro-batch's summed loss by it (``docs/llm.md``, section 3).
+
 Padding samples (``index >= actual_batch_size``) are excluded by slicing, so a
 NaN in a padding row cannot leak into the loss. It can still reach the
 gradient: the padding rows get a zero gradient, and backward multiplies it by
