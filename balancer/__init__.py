@@ -19,7 +19,7 @@ rank's share into micro-batches under a token budget.
 """
 
 from balancer._version import __version__
-from balancer.batch import BaseBatch, pad_batch
+from balancer.batch import BaseBatch, pad_batch, padding_like
 from balancer.buffered_dispatch import BufferedDispatcher, DispatchRound
 from balancer.config import BalancerConfig
 from balancer.dispatch import DispatchPlan, plan_dispatch
@@ -81,6 +81,7 @@ __all__ = [
     "karmarkar_karp",
     "lower_bound",
     "pad_batch",
+    "padding_like",
     "plan_dispatch",
     "plan_micro_batches",
     "__version__",

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer.batch import BaseBatch, pad_batch
+from balancer.batch import BaseBatch, pad_batch, padding_like
 from balancer.errors import ShuffleAbortedError
 from balancer.shuffler import BatchShuffler, ShuffleStats
-from balancer.tokens import TokenBatch, pad_value
+from balancer.tokens import TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ class Workloads:
 class WrappedLoaderError(RuntimeError):
     """This rank's wrapped loader raised (or had no batch to take part with);
     every rank raises a ``ValueError`` naming it."""
+
+    # Phase 1 reports it by its own message, not as the workload_fn's error
+    # (the producer raises it from the workload_fn it hands the shuffler).
+    own_message = True
 
 
 @dataclasses.dataclass
@@ -150,29 +154,6 @@ class Run:
 
 
 # ------------------------------------------------------------ producer
-def _padding_like(batch: BaseBatch | TokenBatch) -> BaseBatch | TokenBatch:
-    """A batch of the same layout and size with no real sample (zero lengths, zero rows;
-    a padded ``TokenBatch``'s token rows hold its ``pad_values``)."""
-    if isinstance(batch, TokenBatch):
-        return _token_padding(batch)
-
-    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        w = k.weights_or_none()
-        return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
-                                 weights=None if w is None else w.new_empty(0),
-                                 lengths=torch.zeros_like(k.lengths()), stride=batch.batch_size)
-    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)
-
-
-def _token_padding(batch: TokenBatch) -> TokenBatch:
-    def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
-        return t.new_zeros((0, *t.shape[1:])) if batch.packed else torch.full_like(t, pad_value(batch, name))
-    return dataclasses.replace(batch, seq_lens=torch.zeros_like(batch.seq_lens),
-                               tokens={k: tokens(k, v) for k, v in batch.tokens.items()},
-                               samples={k: torch.zeros_like(v) for k, v in batch.samples.items()},
-                               actual_batch_size=0)
-
-
 def _padded(batch: BaseBatch | TokenBatch, batch_size: int) -> BaseBatch | TokenBatch:
     return batch.pad(batch_size) if isinstance(batch, TokenBatch) else pad_batch(batch, batch_size)
 
@@ -180,7 +161,7 @@ def _padded(batch: BaseBatch | TokenBatch, batch_size: int) -> BaseBatch | Token
 def _carrier(template: Template) -> BaseBatch | TokenBatch:
     """A batch to report a failure with: the padding template if there is one."""
     if template.padding is not None:
-        return _padding_like(template.padding)
+        return padding_like(template.padding)
     empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64),
                               lengths=torch.zeros(1, dtype=torch.int64))
     return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
@@ -207,7 +188,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
     if batch.batch_size < template.batch_size:
         batch = _padded(batch, template.batch_size)
     if template.padding is None and batch.batch_size == template.batch_size:
-        template.padding = _padding_like(batch)
+        template.padding = padding_like(batch)
     return batch
 
 
@@ -266,7 +247,7 @@ def _take(source: Iterator[Any], template: Template, exhausted: bool,
         return None, True, WrappedLoaderError(
             f"the wrapped loader yielded no batch before step {step}, so this rank has no layout to take "
             "part with; every rank's loader must yield at least one batch in a pass")
-    return _padding_like(template.padding), True, None
+    return padding_like(template.padding), True, None
 
 
 def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch | TokenBatch,

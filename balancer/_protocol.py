@@ -201,7 +201,8 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
         except BaseException as e:  # noqa: BLE001 - reported on every rank, re-raised here (see reraise)
             # Not only Exception: a KeyboardInterrupt in one rank's workload_fn
             # left its peers in phase 1 until the shuffler timeout.
-            return _fail(meta, Status.BAD_INPUT, f"workload_fn raised {type(e).__name__}: {e} (rank {rank})", e)
+            what = str(e) if getattr(e, "own_message", False) else f"workload_fn raised {type(e).__name__}: {e}"
+            return _fail(meta, Status.BAD_INPUT, f"{what} (rank {rank})", e)
         if w.dim() != 1 or w.numel() != b or w.is_complex() or w.dtype == torch.bool:
             return _fail(meta, Status.BAD_INPUT, f"workloads has shape {tuple(w.shape)} and dtype {w.dtype}, "
                          f"expected [batch_size={b}] of an integer or floating dtype (rank {rank})")

@@ -41,7 +41,7 @@ from balancer._kjt import kjt_index_select
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BaseBatch", "pad_batch"]
+__all__ = ["BaseBatch", "pad_batch", "padding_like"]
 
 _B = TypeVar("_B", bound="BaseBatch")
 _T = TypeVar("_T")
@@ -366,3 +366,38 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
         batch_size=batch_size,
         actual_batch_size=batch.actual_batch_size,
     )
+
+
+def padding_like(batch: _T) -> _T:
+    """A batch of ``batch``'s layout and size with no real sample: ``actual_batch_size = 0``,
+    zero lengths and dense rows (a padded ``TokenBatch``'s token rows hold its
+    ``pad_values``; a packed one holds no token). Device ops only, nothing read.
+
+    What a rank whose data has run out takes part with while its peers still have
+    batches: every rank must draw the same number of batches in a balanced pipeline
+    (``BalancedLoader`` does this by itself).
+
+    Raises:
+        TypeError: ``batch`` is neither a :class:`BaseBatch` nor a
+            :class:`~balancer.tokens.TokenBatch`.
+    """
+    from balancer.tokens import TokenBatch, pad_value  # tokens does not import this module
+
+    if isinstance(batch, TokenBatch):
+        tb = batch
+
+        def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
+            return t.new_zeros((0, *t.shape[1:])) if tb.packed else torch.full_like(t, pad_value(tb, name))
+        return dataclasses.replace(  # type: ignore[return-value]
+            tb, seq_lens=torch.zeros_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
+            samples={k: torch.zeros_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
+    if not isinstance(batch, BaseBatch):
+        raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch")
+    b = batch.batch_size
+
+    def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        w = k.weights_or_none()
+        return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
+                                 weights=None if w is None else w.new_empty(0),
+                                 lengths=torch.zeros_like(k.lengths()), stride=b)
+    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)  # type: ignore[return-value]

@@ -43,11 +43,11 @@ are NaN). Keep padding inputs finite -- ``pad_batch`` and the shuffler write
 zeros -- or mask them before such ops.
 
 Tracing. TorchRec's pipeline fx-traces the model's forward; these functions run
-a collective, so they are registered with :func:`torch.fx.wrap` here. fx patches
-wrapped functions only in the namespace where they were registered: call them
-as ``balancer.loss.global_mean_loss`` (module attribute), or, after ``from
-balancer.loss import global_mean_loss``, register the name again in your module
-with ``torch.fx.wrap("global_mean_loss")``.
+a collective and check their input, so under a trace each becomes one opaque
+call node of the graph, whatever name it was imported by (``from balancer
+import global_mean_loss`` too: :func:`torch.fx.wrap`, also applied here, patches
+only this module's names, and the traced call once failed on its input checks
+with ``TraceError``).
 """
 
 from __future__ import annotations
@@ -180,6 +180,19 @@ def _weights_problem(weights: torch.Tensor, rank: int) -> str:
             f"(first {first}), expected finite weights >= 0 (rank {rank})")
 
 
+def _in_trace(fn: Callable[..., torch.Tensor], args: tuple[object, ...], pg: ProcessGroup | None,
+              grad_reduction: str) -> torch.Tensor | None:
+    """While fx traces a forward (TorchRec's pipeline does), ``fn`` as one opaque call node
+    of the graph, whatever name the caller imported it by (``torch.fx.wrap`` below patches
+    only this module's names); ``None`` outside a trace."""
+    for a in args:
+        if isinstance(a, torch.fx.Proxy):
+            kwargs = {"pg": pg, "grad_reduction": grad_reduction}
+            fn = getattr(fn, "__wrapped__", fn)  # the function, not fx.wrap's patch of this module's name
+            return a.tracer.create_proxy("call_function", fn, args, kwargs)  # type: ignore[return-value]
+    return None
+
+
 def global_weighted_mean_loss(
     losses: torch.Tensor,
     weights: torch.Tensor,
@@ -217,6 +230,9 @@ def global_weighted_mean_loss(
             On a device: a shape mismatch or ``grad_reduction`` on the bad
             rank only (after the all-reduce).
     """
+    traced = _in_trace(global_weighted_mean_loss, (losses, weights), pg, grad_reduction)
+    if traced is not None:
+        return traced
     rank = _rank(pg)
     if losses.dim() != 1 or weights.shape != losses.shape:
         problem = (f"losses shape {tuple(losses.shape)} and weights shape {tuple(weights.shape)}, "
@@ -265,6 +281,9 @@ def global_mean_loss(
             name the bad rank; the check travels in the one all-reduce), on a
             device on the bad rank only.
     """
+    traced = _in_trace(global_mean_loss, (per_sample_loss, num_real), pg, grad_reduction)
+    if traced is not None:
+        return traced
     rank = _rank(pg)
     device = per_sample_loss.device
     problem = None

@@ -67,7 +67,7 @@ from torchrec.distributed.train_pipeline import (
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
-from balancer.batch import BaseBatch
+from balancer.batch import BaseBatch, padding_like
 from balancer.config import BalancerConfig
 from balancer.partition import balanced_partition, karmarkar_karp
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler, ShuffleHandle, ShuffleStats
@@ -138,6 +138,7 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._communicates = not isinstance(shuffler, IdentityBatchShuffler)
         self._pending: collections.deque[_PendingShuffle] = collections.deque()
         self._started: ShuffleHandle | None = None  # phase 1 of the batch being enqueued
+        self._template: BaseBatch | None = None  # the last BaseBatch drawn (see _next_batch)
         self._stats: dict[int, ShuffleStats] = {}
         self.last_step_stats: ShuffleStats | None = None
         # Phase 2 runs right after the forward of the current batch, whichever
@@ -172,6 +173,13 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         batch = super()._next_batch(dataloader_iter)
         if batch is not None:
             self._started = self._start_shuffle(batch)
+            if not isinstance(batch, BaseBatch):
+                # Its shuffle carries the verdict to every rank, which raise when it is
+                # finished, in the same step; until then this rank keeps in step with
+                # a batch of no real sample instead of leaving its peers in TorchRec's
+                # collectives.
+                assert self._template is not None, "_start_shuffle raised without one"
+                batch = padding_like(self._template)
         return batch
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -257,9 +265,16 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
     # ------------------------------------------------------------------ shuffles
     def _start_shuffle(self, batch: Any) -> ShuffleHandle:
         if not isinstance(batch, BaseBatch):
-            raise TypeError(
-                f"{type(self).__name__} needs balancer.BaseBatch batches, got {type(batch).__name__}"
-            )
+            problem = f"{type(self).__name__} needs balancer.BaseBatch batches, got {type(batch).__name__}"
+            if self._template is None or not isinstance(self._shuffler, BatchShuffler):
+                # No batch to stand in for it (the first one), or nothing to tell the
+                # peers with (no shuffle across ranks): this rank stops here.
+                with contextlib.suppress(Exception):
+                    self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg)
+                raise TypeError(problem)
+            logger.error("balancer: %s; every rank raises when its shuffle finishes", problem)
+            return self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg)
+        self._template = batch
         # A host batch: phase 1 issues no device work, so it needs no stream
         # and no fence, and it reads nothing back from the device.
         with record_function("## balancer.pipeline.start_shuffle ##"):

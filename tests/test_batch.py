@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer import BaseBatch, pad_batch
+from balancer import BaseBatch, TokenBatch, pad_batch, padding_like
 from balancer._kjt import _select_cpu, kjt_index_select, kjt_index_select_reference
 
 
@@ -307,3 +307,25 @@ def test_pad_batch_rejects_a_field_shorter_than_the_batch() -> None:
     with pytest.raises(ValueError, match=r"pad_batch: features: len\(lengths\)=\d+, expected batch_size \* num_keys"):
         pad_batch(fewer, 5)
     assert pad_batch(batch, 4).batch_size == 4
+
+
+def test_padding_like_keeps_the_layout_and_holds_no_sample() -> None:
+    batch = make_batch(torch.Generator().manual_seed(3), b=5, real=4)
+    empty = padding_like(batch)
+    assert type(empty) is type(batch) and empty.batch_size == 5 and empty.actual_batch_size == 0
+    assert empty.features.keys() == batch.features.keys() and empty.features.lengths().sum() == 0
+    assert empty.features.lengths().dtype == batch.features.lengths().dtype
+    assert empty.features.weights().numel() == 0 and empty.features.values().numel() == 0
+    assert empty.dense.shape == batch.dense.shape and not empty.dense.any() and not empty.labels.any()
+    assert empty.feature_to_max_seqlen == batch.feature_to_max_seqlen
+    empty.validate()  # padding contents included
+    lens = torch.tensor([2, 3, 0])
+    tokens = TokenBatch(batch_size=3, seq_lens=lens, tokens={"ids": torch.ones(3, 4, dtype=torch.int64)},
+                        samples={"r": torch.ones(3)}, actual_batch_size=2, pad_values={"ids": -1})
+    t = padding_like(tokens)
+    assert t.actual_batch_size == 0 and t.seq_lens.tolist() == [0, 0, 0] and not t.samples["r"].any()
+    assert (t.tokens["ids"] == -1).all() and t.tokens["ids"].shape == (3, 4)
+    packed = TokenBatch(batch_size=3, seq_lens=lens, tokens={"e": torch.ones(5, 2)}, packed=True)
+    assert padding_like(packed).tokens["e"].shape == (0, 2)
+    with pytest.raises(TypeError, match="padding_like: batch is a dict, expected a BaseBatch or a TokenBatch"):
+        padding_like({"x": 1})

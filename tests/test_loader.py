@@ -330,7 +330,8 @@ def test_bad_input_or_loader_failure_on_one_rank_raises_on_every_rank(group_size
     w = 3
     outs = run_workers(_error_worker, w, group_size, timeout=120)
     expect = {
-        "loader_raises": "workload_fn raised WrappedLoaderError: the wrapped loader raised KeyError at step 1: "
+        # Once reported as "workload_fn raised WrappedLoaderError: ...", blaming the wrong callable.
+        "loader_raises": "invalid shuffle input on rank(s) [2]: the wrapped loader raised KeyError at step 1: "
                          "'sample file",
         "no_weights": "'features.weights dtype': ranks [0, 1]: 'torch.float64'; rank 2: 'absent'",
         "batch_size": "the wrapped loader yielded a batch of batch_size=5 at step 1, more than BalancedLoader's "

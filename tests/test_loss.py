@@ -259,3 +259,22 @@ def test_on_a_device_bad_input_makes_the_other_ranks_loss_and_gradients_nan() ->
     for loss, nan_grads in (r0["weights"], r1["weights"]):
         assert math.isnan(loss) and nan_grads
     assert r0["after"] == r1["after"] == pytest.approx(4.0)
+
+
+class _LossHead(torch.nn.Module):
+    """Calls the loss functions by the names this module imported them by (not
+    ``balancer.loss.<name>``), as a user's model file does."""
+
+    def forward(self, x: torch.Tensor, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return global_mean_loss(x * 2, num_real), global_weighted_mean_loss(x, x.abs())
+
+
+def test_a_traced_forward_keeps_the_losses_as_opaque_calls() -> None:
+    # TorchRec's pipeline fx-traces the forward; imported by name, the functions
+    # were traced into and failed on their input checks with TraceError.
+    gm = torch.fx.symbolic_trace(_LossHead())
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert global_mean_loss in targets and global_weighted_mean_loss in targets
+    x = torch.tensor([1.0, 2.0, 3.0])
+    got, want = gm(x, 2), _LossHead()(x, 2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and float(got[0]) == 3.0

@@ -51,6 +51,7 @@ from torchrec.distributed.train_pipeline import (
 )
 
 import balancer.pipeline
+from balancer.batch import padding_like
 from balancer.config import BalancerConfig
 from balancer.loss import global_loss_value
 from balancer.partition import balanced_partition, karmarkar_karp
@@ -117,13 +118,16 @@ def _snapshot(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def _train(
-    rank: int, mode: str, events: list[str] | None = None, late_enqueue: bool = False
+    rank: int, mode: str, events: list[str] | None = None, late_enqueue: bool = False, uneven: bool = False
 ) -> dict[str, Any]:
     args = parse_args(ARGS)
     pg = dist.group.WORLD
     device = torch.device("cpu")
     model, optimizer = build_model(args, device, pg)
-    data = SyntheticHSTUData(rank=rank, batch_size=16, num_batches=STEPS, max_seqlen=48, seed=3)
+    data: Any = SyntheticHSTUData(rank=rank, batch_size=16, num_batches=STEPS, max_seqlen=48, seed=3)
+    if uneven and rank == 1:  # one batch fewer: the last step takes part with no real sample
+        drawn = list(data)[:-1]
+        data = [*drawn, padding_like(drawn[-1])]
     runner, comm = MODES[mode]
     shuffler = None
     if comm == "calibrated":  # online calibration from the forward + backward times the pipeline measures
@@ -335,6 +339,50 @@ def test_factory_builds_the_configured_pipeline(caplog: pytest.LogCaptureFixture
     assert grouped.shuffler.group_size == 8  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"pipeline='prefetch' needs a CUDA device, got device=cpu"):
         create_train_pipeline(model, opt, cpu, BalancerConfig(pipeline="prefetch"))  # type: ignore[arg-type]
+
+
+def _worker_uneven(rank: int, world: int) -> dict[str, Any]:
+    return {mode: _train(rank, mode, uneven=True) for mode in ("on", "loop_on")}
+
+
+def test_a_rank_out_of_data_takes_part_with_a_padding_like_batch() -> None:
+    # Ranks must draw the same number of batches; the docs once said to pad the
+    # last one with pad_batch, which adds samples, not batches, and no public
+    # way built a batch with no real sample.
+    skip_without_tbe("the example's sharded model")
+    for res in run_workers(_worker_uneven, 2, timeout=300):
+        _assert_equal(res["on"], res["loop_on"])
+        assert len(res["on"]["losses"]) == STEPS and np.isfinite(res["on"]["losses"]).all()
+        before, after, moved = np.array(res["on"]["imbalance"]).T
+        assert moved[-1] > 0, res["on"]["imbalance"]  # the last step still balanced rank 0's batch
+
+
+def _worker_not_a_batch(rank: int, world: int) -> tuple[str, str]:
+    args = parse_args(ARGS)
+    model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
+    data: list[Any] = list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=4, max_seqlen=48, seed=3))
+    if rank == 1:
+        data[2] = {"not": "a batch"}
+    shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0)
+    pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"), shuffler)
+    it = iter(data)
+    try:
+        while True:
+            pipe.progress(it)
+    except StopIteration:
+        return ("StopIteration", "")
+    except Exception as e:  # noqa: BLE001 - the kind is part of the result
+        return (type(e).__name__, str(e))
+
+
+def test_a_non_batch_on_one_rank_fails_every_rank() -> None:
+    # It raised TypeError on its rank only; the peer waited in TorchRec's
+    # all-to-all for good (the shuffler's timeout does not cover it).
+    skip_without_tbe("the example's sharded model")
+    outs = run_workers(_worker_not_a_batch, 2, timeout=120)
+    for kind, msg in outs:
+        assert kind == "ValueError" and "invalid shuffle input on rank(s) [1]: batch is a dict, expected a " \
+            "BaseBatch or a TokenBatch (rank 1)" in msg, outs
 
 
 def test_non_basebatch_is_rejected() -> None:
