@@ -162,11 +162,26 @@ class BaseBatch(Pipelineable):
                 raise ValueError(
                     f"{name}: shape {tuple(t.shape)}, expected [batch_size={b}, ...]"
                 )
+        self._check_one_device()
         for k, v in self.feature_to_max_seqlen.items():
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"feature_to_max_seqlen[{k!r}]={v!r}, expected an int >= 0")
         if contents and self.num_padding > 0:
             self._validate_padding()
+
+    def _check_one_device(self) -> None:
+        """Every tensor on the device of ``features``' values (a field elsewhere failed in
+        phase 2 on its rank with an error that named neither it nor its device)."""
+        home = self.features.values().device
+        tensors: list[tuple[str, torch.Tensor | None]] = []
+        for name, kjt in self.kjt_fields().items():
+            tensors += [(f"{name}.values", kjt.values()), (f"{name}.lengths", kjt.lengths()),
+                        (f"{name}.weights", kjt.weights_or_none())]
+        tensors += list(self.dense_fields().items())
+        for name, t in tensors:
+            if t is not None and t.device != home:
+                raise ValueError(f"{name} is on {t.device}, expected features.values' device {home} "
+                                 "(every tensor of a batch lives on one device)")
 
     def _validate_padding(self) -> None:
         a, b = self.batch_size - self.num_padding, self.batch_size

@@ -328,20 +328,28 @@ def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: in
     return good, cut
 
 
-def _agree(k: int, fingerprint: int, failed: bool, units: int, pg: ProcessGroup | None
-           ) -> tuple[int, int, bool, int]:
-    """One all-reduce (MAX): ``(max k, first failed rank or -1, same settings, min units)``."""
+def _agree(k: int, fingerprints: list[int], failed: bool, units: int, pg: ProcessGroup | None
+           ) -> tuple[int, int, list[int], int]:
+    """One all-reduce (MAX): ``(max k, first failed rank or -1, indices of the settings that
+    differ between ranks, min units)``."""
     device = torch.device("cpu")
     if dist.get_backend(pg) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     rank = dist.get_rank(pg)
     low = -(1 << 62)
-    msg = torch.tensor([k, fingerprint, -fingerprint, rank + 1 if failed else 0,
-                        low if failed else -units], dtype=torch.int64, device=device)
+    msg = torch.tensor([k, rank + 1 if failed else 0, low if failed else -units,
+                        *fingerprints, *(-f for f in fingerprints)], dtype=torch.int64, device=device)
     dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=pg)
-    # Five integers, needed on the host to plan: the one device sync of the call.
-    top_k, fp_max, neg_fp_min, bad, neg_units = msg.tolist()
-    return top_k, bad - 1, fp_max == -neg_fp_min, -neg_units
+    # A few integers, needed on the host to plan: the one device sync of the call.
+    top_k, bad, neg_units, *fps = msg.tolist()
+    n = len(fingerprints)
+    differ = [i for i in range(n) if fps[i] != -fps[n + i]]
+    return top_k, bad - 1, differ, -neg_units
+
+
+# plan_micro_batches' settings that every rank must pass alike, in _agree's order.
+_SETTINGS = ("num_micro_batches", "max_tokens", "min_micro_batches", "divisible_by", "micro_batch_size",
+             "padded", "cost", "groups given or not")
 
 
 def _fingerprint(*settings: Any) -> int:
@@ -596,22 +604,25 @@ def plan_micro_batches(
         err = e
     k = k_local
     if collective:
-        fp = _fingerprint(num_micro_batches, max_tokens, min_micro_batches, divisible_by,
-                          micro_batch_size, padded, cost, groups is None)
+        fps = [_fingerprint(v) for v in (num_micro_batches, max_tokens, min_micro_batches, divisible_by,
+                                         micro_batch_size, padded, cost, groups is None)]
         # An empty rank takes the others' k (its micro-batches are empty): it does not
         # count towards the fewest units that k must not exceed.
         units = _NO_UNITS if empty else 0 if un is None else un.tokens.size
-        k, bad, same, min_units = _agree(k_local, fp, err is not None, units, pg)
+        k, bad, differ, min_units = _agree(k_local, fps, err is not None, units, pg)
         if err is not None:
             raise err
         if bad >= 0:
             raise ValueError(f"plan_micro_batches failed on rank {bad} (see its error); "
                              f"nothing was planned ({where})")
-        if not same:
-            raise ValueError("plan_micro_batches got different settings on different ranks "
-                             "(num_micro_batches, max_tokens, min_micro_batches, divisible_by, "
-                             "micro_batch_size, padded, cost, groups given or not); pass the same "
-                             f"everywhere ({where})")
+        if differ:
+            shown = (repr(num_micro_batches), repr(max_tokens), repr(min_micro_batches), repr(divisible_by),
+                     repr(micro_batch_size), repr(padded), "None" if cost is None else f"a {type(cost).__name__}",
+                     "given" if groups is not None else "not given")
+            mine = ", ".join(f"{_SETTINGS[i]}: {shown[i]}" for i in differ)
+            raise ValueError(f"plan_micro_batches got different settings on different ranks: "
+                             f"{', '.join(_SETTINGS[i] for i in differ)}; pass the same everywhere "
+                             f"(this rank's {mine}) ({where})")
         if k > min_units:
             raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
                              f"samples or groups: a micro-batch would be empty ({where})")

@@ -329,3 +329,13 @@ def test_padding_like_keeps_the_layout_and_holds_no_sample() -> None:
     assert padding_like(packed).tokens["e"].shape == (0, 2)
     with pytest.raises(TypeError, match="padding_like: batch is a dict, expected a BaseBatch or a TokenBatch"):
         padding_like({"x": 1})
+
+
+def test_a_field_on_another_device_is_refused() -> None:
+    # Accepted before: the shuffle then failed in phase 2 on that rank with
+    # "Tensor on device meta is not on the expected device cpu!", naming no field.
+    batch = make_batch(torch.Generator().manual_seed(1), b=4)
+    with pytest.raises(ValueError, match=r"dense is on meta, expected features.values' device cpu \(every tensor"):
+        dataclasses.replace(batch, dense=torch.zeros(4, 2, 3, device="meta"))
+    with pytest.raises(ValueError, match=r"labels is on meta, expected features.values' device cpu"):
+        dataclasses.replace(batch, labels=torch.zeros(4, device="meta"))

@@ -346,12 +346,15 @@ def _worker_agree(rank: int, world_size: int) -> dict:
 def test_same_count_on_every_rank_and_errors_everywhere() -> None:
     r0, r1 = run_workers(_worker_agree, 2)
     assert r0["k"] == (4, 2) and r1["k"] == (4, 4), "one MAX all-reduce, rounded to divisible_by"
-    for name in ("settings", "numpy_settings"):
-        assert "different settings on different ranks" in r0[name]
-        assert "different settings on different ranks" in r1[name]
-    # a fixed k next to a computed one: an error on both ranks, not a hang in the all-reduce
-    assert "different settings on different ranks" in r0["fixed_vs_free"]
-    assert "different settings on different ranks" in r1["fixed_vs_free"]
+    # The message names the settings that differ and this rank's values (it once listed all eight).
+    for r, res in enumerate((r0, r1)):
+        assert res["settings"] == ("plan_micro_batches got different settings on different ranks: max_tokens; "
+                                   f"pass the same everywhere (this rank's max_tokens: {[10, 20][r]}) (rank {r})")
+        assert f"different settings on different ranks: max_tokens; pass the same everywhere (this rank's " \
+            f"max_tokens: {np.int64([100, 50][r])!r})" in res["numpy_settings"]
+        # a fixed k next to a computed one: an error on both ranks, not a hang in the all-reduce
+        assert f"different settings on different ranks: num_micro_batches; pass the same everywhere (this " \
+            f"rank's num_micro_batches: {[2, None][r]})" in res["fixed_vs_free"]
     assert r1["too_long"].startswith("sample 1 needs 50 tokens, more than max_tokens=10")
     assert r1["too_long"].endswith("(rank 1)")
     assert r0["too_long"] == "plan_micro_batches failed on rank 1 (see its error); nothing was planned (rank 0)"
