@@ -38,11 +38,18 @@ def sequence_lengths(
     Example: item lengths ``[3, 0]``, contextual ``user`` lengths ``[1, 1]``,
     ``interleaved=True, include_contextual=True`` gives ``[7, 1]``.
 
+    A :class:`~balancer.tokens.TokenBatch` has one length per sample, its
+    ``seq_lens`` (doubled when ``interleaved``): feature names and contextual
+    features, which name KJT keys, do not apply to it.
+
     Raises:
         ValueError: a name is not a key of ``batch.features`` (the available
             keys are listed), or, with ``include_contextual``, a contextual
             feature is also in ``feature_names`` (it would be counted twice).
     """
+    seq_lens = _token_lengths(batch)
+    if seq_lens is not None:
+        return seq_lens * 2 if interleaved else seq_lens
     kjt, b = batch.features, batch.batch_size
     keys = kjt.keys()
     missing = [n for n in feature_names if n not in keys]
@@ -66,6 +73,14 @@ def sequence_lengths(
     for name in contextual:
         out += by_key[keys.index(name)]
     return out
+
+
+def _token_lengths(batch: Any) -> torch.Tensor | None:
+    """A token batch's ``seq_lens`` as int64 (``None`` for a KJT batch)."""
+    seq_lens = getattr(batch, "seq_lens", None)
+    if isinstance(seq_lens, torch.Tensor) and not hasattr(batch, "features"):
+        return seq_lens.to(torch.int64)
+    return None
 
 
 def _evaluate(batch: BaseBatch, lengths: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:

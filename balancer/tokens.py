@@ -23,7 +23,7 @@ Example::
     batch = TokenBatch(batch_size=4, seq_lens=torch.tensor([3, 5, 2, 0]), actual_batch_size=3,
                        tokens={"input_ids": ids, "labels": labels},    # [4, L]
                        samples={"advantage": adv})                      # [4]
-    workload_fn = lambda b: cost.of_lengths(b.seq_lens)                # TransformerCost
+    workload_fn = cost                      # a TransformerCost (or any estimator) prices seq_lens
 """
 
 from __future__ import annotations

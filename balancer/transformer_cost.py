@@ -20,7 +20,14 @@ import numpy as np
 import torch
 
 from balancer._ints import is_int
-from balancer._quadratic import _evaluate, _names, _positive_int, _Quadratic, sequence_lengths
+from balancer._quadratic import (
+    _evaluate,
+    _names,
+    _positive_int,
+    _Quadratic,
+    _token_lengths,
+    sequence_lengths,
+)
 from balancer.batch import BaseBatch
 
 __all__ = ["TransformerCost"]
@@ -232,6 +239,8 @@ class TransformerCost(_Quadratic):
         contextual, not twice).
         """
         names = self.feature_names
+        if not names and _token_lengths(batch) is not None:
+            names = ("seq_lens",)  # sequence_lengths takes a TokenBatch's seq_lens whatever the names
         if not names:
             skip = set(batch.contextual_feature_names) if self.include_contextual else set()
             keys: list[str] = batch.features.keys()  # a KJT: iterating it is not its keys

@@ -397,3 +397,25 @@ def test_fit_of_equal_times_reports_an_exact_fit() -> None:
             assert cal.r2 == 1.0, (t, relative, cal)
             assert cal.c == pytest.approx(t * cal.scale, rel=1e-12)
             assert cal.a * 50**2 + cal.b * 50 <= 1e-9 * cal.c  # the constant carries it
+
+
+def test_estimators_price_a_token_batch_by_its_seq_lens() -> None:
+    # They read batch.features: on a TokenBatch, AttributeError ('TokenBatch'
+    # object has no attribute 'features'), so BatchShuffler(TransformerCost(...))
+    # needed a lambda over seq_lens.
+    from balancer import BatchShuffler, TokenBatch
+
+    lens = torch.tensor([3, 0, 7, 0])  # a real sample of no tokens, and a padding sample
+    batch = TokenBatch(batch_size=4, seq_lens=lens.to(torch.int32), actual_batch_size=3,
+                       tokens={"ids": torch.zeros(4, 8, dtype=torch.int64)})
+    cost = TransformerCost(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, vocab_size=50)
+    estimators = [cost, TokenCount(["unused"]),
+                  HSTUAttentionCost(["unused"], hidden_dim=8, num_heads=2, head_dim=4, linear_dim=4, num_layers=1,
+                                    interleaved=True)]
+    for est in estimators:
+        a, b, c = est.coefficients()
+        x = lens.to(torch.float64) * (2 if getattr(est, "interleaved", False) else 1)
+        want = ((a * x + b) * x + c).round().to(torch.int64) * torch.tensor([1, 1, 1, 0])  # padding costs 0
+        assert torch.equal(est(batch), want), (type(est).__name__, est(batch), want)
+    shuffled = BatchShuffler(cost).shuffle(batch)  # one process: a workload_fn call, nothing moves
+    assert shuffled.seq_lens.tolist() == [3, 0, 7, 0]
