@@ -194,8 +194,10 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], time
     q = ctx.Queue()
     port = free_port()
     stacks_dir = tempfile.mkdtemp(prefix="balancer_workers_")
+    # Not daemonic: a rank may start processes of its own (a DataLoader's workers); every
+    # rank is joined or killed below whatever happens.
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q, backend, stacks_dir), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, q, backend, stacks_dir), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
