@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torchrec
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
@@ -430,6 +431,28 @@ _PARTITIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _same_pipeline_everywhere(config: BalancerConfig, pg: ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank of ``pg`` unless all ask for the same pipeline and
+    balancing (one all-reduce of two small integers, once). Past this point the shuffler
+    checks its own settings; a rank built without it would never join its shuffles, and
+    the ones with it would leave it waiting in TorchRec's collectives for good."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(pg) <= 1:
+        return
+    mine = (2 if config.pipeline == "prefetch" else 0) + int(config.enable_balanced_shuffler)
+    device = torch.device("cpu")
+    if dist.get_backend(pg) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    high, neg_low = t.tolist()  # once, at construction: not a per-step read
+    if high != -neg_low:
+        raise ValueError(
+            "create_train_pipeline: the ranks asked for different pipelines (pipeline and "
+            "enable_balanced_shuffler must be the same on every rank; this rank: "
+            f"pipeline={config.pipeline!r}, enable_balanced_shuffler={config.enable_balanced_shuffler}) "
+            f"(rank {dist.get_rank(pg)})")
+
+
 def create_train_pipeline(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -460,13 +483,16 @@ def create_train_pipeline(
     Raises:
         ValueError: ``pipeline="prefetch"`` on a device without streams: TorchRec
             1.8's prefetch pipeline silently skips its prefetch stage there and
-            then fails in the forward.
+            then fails in the forward; on every rank of ``pg``, ranks that ask
+            for different ``pipeline`` or ``enable_balanced_shuffler`` (one
+            all-reduce at construction: call it on every rank).
     """
     if config.pipeline == "prefetch" and device.type not in ("cuda", "mtia"):
         raise ValueError(
             f"BalancerConfig.pipeline='prefetch' needs a CUDA device, got device={device}; "
             "use pipeline='sparse_dist'"
         )
+    _same_pipeline_everywhere(config, pg)
     shuffler: Shuffler
     if config.enable_balanced_shuffler:
         if workload_fn is None:

@@ -385,6 +385,26 @@ def test_a_non_batch_on_one_rank_fails_every_rank() -> None:
             "BaseBatch or a TokenBatch (rank 1)" in msg, outs
 
 
+def _worker_flag_on_one_rank(rank: int, world: int) -> str:
+    try:
+        pipe = create_train_pipeline(torch.nn.Linear(2, 2), None, torch.device("cpu"),  # type: ignore[arg-type]
+                                     BalancerConfig(enable_balanced_shuffler=rank == 0))
+        pipe.close()
+        return "built"
+    except ValueError as e:
+        return str(e)
+
+
+def test_balancing_on_some_ranks_only_fails_every_rank_at_construction() -> None:
+    # Rank 0 balanced and timed out in its first shuffle; rank 1 waited in
+    # TorchRec's collectives for good.
+    outs = run_workers(_worker_flag_on_one_rank, 2, timeout=120)
+    for r, msg in enumerate(outs):
+        assert msg == ("create_train_pipeline: the ranks asked for different pipelines (pipeline and "
+                       "enable_balanced_shuffler must be the same on every rank; this rank: pipeline='sparse_dist', "
+                       f"enable_balanced_shuffler={r == 0}) (rank {r})"), outs
+
+
 def test_non_basebatch_is_rejected() -> None:
     pipe = create_train_pipeline(
         torch.nn.Linear(2, 2), None, torch.device("cpu"), BalancerConfig()  # type: ignore[arg-type]
