@@ -147,9 +147,14 @@ def quiet_known_warnings() -> None:
     * TorchRec's planner asks for ``TopologyFactory`` and warns about its storage
       estimate; the example's tables are tiny and fit anywhere.
     * fx prints an ``is_fx_tracing`` notice on every rank when the pipeline traces the model.
+    * TorchRec 1.6's ``ShardingEnv`` calls torch's private ``_get_pg_default_device``, which
+      torch 2.11 marks for deprecation and, on a gloo group of a CUDA build of torch (cpu and
+      cuda registered), warns that it picks cpu (TorchRec 1.8 calls ``_get_object_coll_device``).
     """
     for text in ("`broadcast_buffers` is deprecated", "HeuristicalStorageReservation is known"):
         warnings.filterwarnings("ignore", message=text, category=FutureWarning)
+    for text in ("`_get_pg_default_device` will be deprecated", "Multiple backends are registered"):
+        warnings.filterwarnings("ignore", message=text, category=UserWarning, module="torchrec.distributed.types")
     for name, text in (("torchrec.distributed.planner.types", "The topology was constructed directly"),
                        ("torchrec.distributed.planner.storage_reservations", "There is a known issue"),
                        ("torch.fx._symbolic_trace", "is_fx_tracing will return true")):
