@@ -247,6 +247,25 @@ def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> 
         return None
 
 
+def missing_at_setup(ranks: list[int], seq: int, grace: float) -> list[int] | None:
+    """Ranks (within the group of global ``ranks``) that did not reach the setup of the
+    shuffler's groups at shuffle ``seq``, as :func:`missing_ranks` tells them (each rank
+    whose setup failed writes its key and waits up to ``grace`` seconds for the others')."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"balancer/setup/{','.join(map(str, ranks))}/{seq}/"
+        store.set(key + str(dist.get_rank()), "1")
+        deadline = time.monotonic() + grace
+        while True:
+            present = [i for i, r in enumerate(ranks) if store.check([key + str(r)])]
+            if len(present) == len(ranks) or time.monotonic() > deadline:
+                return sorted(set(range(len(ranks))) - set(present))
+            time.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 - diagnosis only; the caller still raises
+        logger.warning("balancer: could not read which ranks are missing: %s", e)
+        return None
+
+
 # ------------------------------------------------------------------ phase 2
 def pack(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob) -> torch.Tensor:
     """The uint8 send buffer of ``ex`` (``sum(send_splits)`` bytes; ``allgather``: one row)."""

@@ -110,6 +110,11 @@ _BATCHES = (BaseBatch, TokenBatch)
 _TRUSTED = (balanced_partition, karmarkar_karp)
 
 
+# How long a rank whose group setup failed waits for its peers to say they got there too
+# (the ranks that never do are named in the error).
+_SETUP_GRACE_S = 5.0
+
+
 class BatchShuffler(ShufflerBase):
     """Balances per-rank workload by moving samples between data-parallel ranks.
 
@@ -624,12 +629,18 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
+                missing = _comm.missing_at_setup(ranks, seq, min(self.timeout, _SETUP_GRACE_S))
+                if missing == []:
+                    why = "every rank reached its first shuffle, but the groups could not be created"
+                else:
+                    who = f"rank(s) {missing}" if missing else "a rank"
+                    why = (f"{who} never started its first shuffle (stalled, dead, or not calling the "
+                           "shuffler in step with the others)")
                 err = ShuffleAbortedError(
                     f"BatchShuffler: shuffle #{seq} aborted in phase 1 on rank {rank}: the shuffler's groups "
-                    f"were not set up within its timeout of {self.timeout:g} s: a rank never started its "
-                    "first shuffle (stalled, dead, or not calling the shuffler in step with the others); "
+                    f"were not set up within its timeout of {self.timeout:g} s: {why}; "
                     f"the shuffler is closed ({type(e).__name__}: {e}){note}", seq=seq, phase="phase 1",
-                    missing=None)
+                    missing=missing or None)
                 self._setup_error = err
                 raise err from e
             self._groups[id(group)] = groups
