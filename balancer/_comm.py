@@ -247,13 +247,14 @@ def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> 
         return None
 
 
-def missing_at_setup(ranks: list[int], seq: int, grace: float) -> list[int] | None:
-    """Ranks (within the group of global ``ranks``) that did not reach the setup of the
-    shuffler's groups at shuffle ``seq``, as :func:`missing_ranks` tells them (each rank
-    whose setup failed writes its key and waits up to ``grace`` seconds for the others')."""
+def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> list[int] | None:
+    """Ranks (within the group of global ``ranks``) that did not reach the setup ``attempt``
+    (the same text on every rank: which shuffler, which shuffle) of a shuffler's groups, as
+    :func:`missing_ranks` tells them (each rank whose setup failed writes its key and waits
+    up to ``grace`` seconds for the others')."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        key = f"balancer/setup/{','.join(map(str, ranks))}/{seq}/"
+        key = f"balancer/setup/{','.join(map(str, ranks))}/{attempt}/"
         store.set(key + str(dist.get_rank()), "1")
         deadline = time.monotonic() + grace
         while True:

@@ -386,7 +386,8 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
 def padding_like(batch: _T) -> _T:
     """A batch of ``batch``'s layout and size with no real sample: ``actual_batch_size = 0``,
     zero lengths and dense rows (a padded ``TokenBatch``'s token rows hold its
-    ``pad_values``; a packed one holds no token). Device ops only, nothing read.
+    ``pad_values``; a packed one holds no token). Device ops only (on the CPU, building
+    the ``BaseBatch`` checks its padding contents, as every construction there does).
 
     What a rank whose data has run out takes part with while its peers still have
     batches: every rank must draw the same number of batches in a balanced pipeline

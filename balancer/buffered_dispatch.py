@@ -112,7 +112,7 @@ class BufferedDispatcher:
     Raises:
         ValueError: non-positive sizes, ``padded`` without
             ``micro_batch_size``, or another keyword (``groups`` and
-            ``equal_count`` of ``plan_dispatch`` among them: a round picks
+            ``equal_count=False`` of ``plan_dispatch`` among them: a round picks
             its samples from the window, so per-sample group ids cannot be
             given up front, and every rank gets ``samples_per_rank``).
     """
@@ -126,6 +126,8 @@ class BufferedDispatcher:
         if padded and micro_batch_size is None:
             raise ValueError("BufferedDispatcher: padded=True needs micro_batch_size (rows per "
                              "micro-batch) to score a window's padding")
+        if dispatch_kwargs.get("equal_count") is True:  # plan_dispatch's default, what every round does
+            dispatch_kwargs = {k: v for k, v in dispatch_kwargs.items() if k != "equal_count"}
         unknown = sorted(set(dispatch_kwargs) - set(_PASSED))
         if unknown:
             name = unknown[0]

@@ -7,7 +7,7 @@ budget (activation memory). This module plans that cut on the host:
    responses of one prompt);
 2. ``k``: given, or the fewest micro-batches the token budget allows (raised
    to ``min_micro_batches`` and to a multiple of ``divisible_by``), made equal
-   on every data-parallel rank with one all-reduce (MAX) of five integers;
+   on every data-parallel rank with one all-reduce (MAX) of 18 integers;
 3. the cut (``balancer/_microbatch_pack.py``): balanced summed cost under a
    hard token cap, or, with ``padded=True``, length-homogeneous micro-batches
    that minimise the rank's padded compute.
@@ -328,23 +328,22 @@ def _search(un: Units, cap: int | None, mbs: int | None, padded: bool, first: in
     return good, cut
 
 
-def _agree(k: int, fingerprints: list[int], failed: bool, units: int, pg: ProcessGroup | None
-           ) -> tuple[int, int, list[int], int]:
-    """One all-reduce (MAX): ``(max k, first failed rank or -1, indices of the settings that
-    differ between ranks, min units)``."""
+def _agree(k: int, fingerprints: list[int], failed: bool, pg: ProcessGroup | None
+           ) -> tuple[int, int, list[int]]:
+    """One all-reduce (MAX): ``(max k, a failed rank or -1, indices of the settings that
+    differ between ranks)``."""
     device = torch.device("cpu")
     if dist.get_backend(pg) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     rank = dist.get_rank(pg)
-    low = -(1 << 62)
-    msg = torch.tensor([k, rank + 1 if failed else 0, low if failed else -units,
-                        *fingerprints, *(-f for f in fingerprints)], dtype=torch.int64, device=device)
+    msg = torch.tensor([k, rank + 1 if failed else 0, *fingerprints, *(-f for f in fingerprints)],
+                       dtype=torch.int64, device=device)
     dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=pg)
     # A few integers, needed on the host to plan: the one device sync of the call.
-    top_k, bad, neg_units, *fps = msg.tolist()
+    top_k, bad, *fps = msg.tolist()
     n = len(fingerprints)
     differ = [i for i in range(n) if fps[i] != -fps[n + i]]
-    return top_k, bad - 1, differ, -neg_units
+    return top_k, bad - 1, differ
 
 
 # plan_micro_batches' settings that every rank must pass alike, in _agree's order.
@@ -436,10 +435,6 @@ def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
     )
 
 
-# _agree's unit count of an empty rank: above any real one, so the minimum skips it.
-_NO_UNITS = 1 << 61
-
-
 def _no_samples(lengths: Any, cost: Any, groups: Any, where: str) -> bool:
     """Whether ``lengths`` holds no sample (an empty list, array or tensor); then an
     array ``cost`` or ``groups`` must be empty too."""
@@ -504,7 +499,7 @@ def plan_micro_batches(
     schedule needs multiples of ``microbatch_group_size_per_vp_stage``). With
     ``sync`` and an initialised process group of more than one rank, the
     ranks of ``pg`` then agree on the largest ``k`` with one all-reduce (MAX)
-    of five integers, which also carries a fingerprint of the settings and an
+    of 18 integers, which also carries a fingerprint of each setting and an
     error flag, so that invalid input or differing settings on *any* rank
     raise ``ValueError`` on *every* rank instead of hanging.
 
@@ -550,11 +545,11 @@ def plan_micro_batches(
     Returns:
         A :class:`MicroBatchPlan`.
 
-    A rank with no samples (empty ``lengths``: an all-padding batch at the end of
-    an uneven epoch) gets ``k`` empty micro-batches, ``k`` being what the other
-    ranks agree on (the fewest allowed where every rank is empty), so that it
-    runs the step's ``k`` forward/backward passes with them; it does not count
-    as "too few samples" for the others' ``k``.
+    A rank with fewer samples (or groups) than the agreed ``k`` -- none at all
+    (empty ``lengths``: an all-padding batch at the end of an uneven epoch) or a
+    few -- gets one per micro-batch and empty micro-batches for the rest of the
+    ``k`` (the fewest allowed where every rank is empty), so that it runs the
+    step's ``k`` forward/backward passes with the others.
 
     Raises:
         ValueError: non-1-D, negative, NaN, bool or non-integer lengths;
@@ -564,7 +559,8 @@ def plan_micro_batches(
             that are not Python bools,
             ``num_micro_batches`` not a multiple of ``divisible_by`` or below
             ``min_micro_batches``, ``micro_batch_size`` without ``padded``);
-            more micro-batches needed than samples or groups; with the
+            more micro-batches than samples or groups asked for by this rank's own settings
+            (``num_micro_batches``, ``min_micro_batches``, ``divisible_by``); with the
             collective, any of these on another rank or settings that differ
             between ranks.
     """
@@ -606,10 +602,7 @@ def plan_micro_batches(
     if collective:
         fps = [_fingerprint(v) for v in (num_micro_batches, max_tokens, min_micro_batches, divisible_by,
                                          micro_batch_size, padded, cost, groups is None)]
-        # An empty rank takes the others' k (its micro-batches are empty): it does not
-        # count towards the fewest units that k must not exceed.
-        units = _NO_UNITS if empty else 0 if un is None else un.tokens.size
-        k, bad, differ, min_units = _agree(k_local, fps, err is not None, units, pg)
+        k, bad, differ = _agree(k_local, fps, err is not None, pg)
         if err is not None:
             raise err
         if bad >= 0:
@@ -623,15 +616,24 @@ def plan_micro_batches(
             raise ValueError(f"plan_micro_batches got different settings on different ranks: "
                              f"{', '.join(_SETTINGS[i] for i in differ)}; pass the same everywhere "
                              f"(this rank's {mine}) ({where})")
-        if k > min_units:
-            raise ValueError(f"the ranks need {k} micro-batches but one has only {min_units} "
-                             f"samples or groups: a micro-batch would be empty ({where})")
     if empty:
         return _empty_plan(k, k_local, padded)
     assert un is not None, "set unless an error was raised"
-    # k >= k_local, and k <= this rank's units (checked in the agreement): a cut exists.
-    cut = _cut_at(un, k, max_tokens, micro_batch_size, padded, cache)
+    # A rank with fewer units than the agreed k (the end of an uneven epoch) cuts one
+    # unit a micro-batch and runs the remaining passes empty.
+    units = un.tokens.size
+    cut_k = min(k, units)
+    # k_local <= cut_k <= this rank's units: a cut exists.
+    cut = _cut_at(un, cut_k, max_tokens, micro_batch_size, padded, cache)
     assert cut is not None, "a cut into k_local splits up to any k up to the unit count"
     if k != k_local:
         logger.debug("rank %d: %d micro-batches (needed %d)", rank, k, k_local)
-    return _finish(un, cut, k, padded, k_local, bound, max_tokens)
+    plan = _finish(un, cut, cut_k, padded, k_local, bound, max_tokens)
+    if cut_k < k:
+        more = k - cut_k
+        plan = dataclasses.replace(
+            plan, micro_batches=plan.micro_batches + [[] for _ in range(more)], num_micro_batches=k,
+            costs=np.concatenate([plan.costs, np.zeros(more)]),
+            tokens=np.concatenate([plan.tokens, np.zeros(more, np.int64)]),
+            padded_tokens=np.concatenate([plan.padded_tokens, np.zeros(more, np.int64)]))
+    return plan

@@ -431,26 +431,31 @@ _PARTITIONS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _same_pipeline_everywhere(config: BalancerConfig, pg: ProcessGroup | None) -> None:
+def _same_pipeline_everywhere(config: BalancerConfig, device: torch.device, pg: ProcessGroup | None,
+                              problem: str | None) -> None:
     """Raise ``ValueError`` on every rank of ``pg`` unless all ask for the same pipeline and
-    balancing (one all-reduce of two small integers, once). Past this point the shuffler
-    checks its own settings; a rank built without it would never join its shuffles, and
-    the ones with it would leave it waiting in TorchRec's collectives for good."""
+    balancing and none has a ``problem`` of its own (raised by the caller on its rank; one
+    all-reduce of three small integers, once). Past this point the shuffler checks its own
+    settings; a rank built without it would never join its shuffles, and the ones with it
+    would leave it waiting in TorchRec's collectives for good."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(pg) <= 1:
         return
     mine = (2 if config.pipeline == "prefetch" else 0) + int(config.enable_balanced_shuffler)
-    device = torch.device("cpu")
-    if dist.get_backend(pg) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    on = torch.device("cpu")
+    if dist.get_backend(pg) == "nccl":  # the training device, not whatever set_device left current
+        on = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    rank = dist.get_rank(pg)
+    t = torch.tensor([mine, -mine, rank + 1 if problem else 0], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    high, neg_low = t.tolist()  # once, at construction: not a per-step read
-    if high != -neg_low:
+    high, neg_low, bad = t.tolist()  # once, at construction: not a per-step read
+    if bad and problem is None:
+        raise ValueError(f"create_train_pipeline failed on rank {bad - 1} (see its error) (rank {rank})")
+    if high != -neg_low and problem is None:
         raise ValueError(
             "create_train_pipeline: the ranks asked for different pipelines (pipeline and "
             "enable_balanced_shuffler must be the same on every rank; this rank: "
             f"pipeline={config.pipeline!r}, enable_balanced_shuffler={config.enable_balanced_shuffler}) "
-            f"(rank {dist.get_rank(pg)})")
+            f"(rank {rank})")
 
 
 def create_train_pipeline(
@@ -487,12 +492,13 @@ def create_train_pipeline(
             for different ``pipeline`` or ``enable_balanced_shuffler`` (one
             all-reduce at construction: call it on every rank).
     """
+    problem = None
     if config.pipeline == "prefetch" and device.type not in ("cuda", "mtia"):
-        raise ValueError(
-            f"BalancerConfig.pipeline='prefetch' needs a CUDA device, got device={device}; "
-            "use pipeline='sparse_dist'"
-        )
-    _same_pipeline_everywhere(config, pg)
+        problem = (f"BalancerConfig.pipeline='prefetch' needs a CUDA device, got device={device}; "
+                   "use pipeline='sparse_dist'")
+    _same_pipeline_everywhere(config, device, pg, problem)
+    if problem is not None:
+        raise ValueError(problem)
     shuffler: Shuffler
     if config.enable_balanced_shuffler:
         if workload_fn is None:

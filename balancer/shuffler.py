@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
@@ -113,6 +114,7 @@ _TRUSTED = (balanced_partition, karmarkar_karp)
 # How long a rank whose group setup failed waits for its peers to say they got there too
 # (the ranks that never do are named in the error).
 _SETUP_GRACE_S = 5.0
+_INSTANCES = itertools.count()
 
 
 class BatchShuffler(ShufflerBase):
@@ -261,6 +263,9 @@ class BatchShuffler(ShufflerBase):
                         "balancer": __version__}
         self._calibration = CalibrationState()
         self._config_fp = fingerprint(self._config)
+        # This process's shuffler count: ranks that build their shufflers in the same order
+        # agree on it, which keeps one shuffler's setup diagnosis apart from another's.
+        self._instance = next(_INSTANCES)
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
         self._setup_error: ShuffleAbortedError | None = None  # the groups' creation timed out
@@ -629,7 +634,7 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
-                missing = _comm.missing_at_setup(ranks, seq, min(self.timeout, _SETUP_GRACE_S))
+                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
                 if missing == []:
                     why = "every rank reached its first shuffle, but the groups could not be created"
                 else:

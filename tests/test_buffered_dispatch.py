@@ -184,6 +184,7 @@ def test_settings_a_round_cannot_take_are_refused() -> None:
         BufferedDispatcher(2, 2, groups=[0, 0, 1, 1])
     with pytest.raises(ValueError, match=r"equal_count=False is not accepted: every rank gets samples_per_rank"):
         BufferedDispatcher(2, 2, equal_count=False)
+    assert BufferedDispatcher(2, 2, equal_count=True) is not None  # the default, what every round does
     with pytest.raises(ValueError, match=r"max_token=5 is not accepted: expected one of cost, padded, "
                                          r"micro_batch_size, max_tokens, num_micro_batches"):
         BufferedDispatcher(2, 2, max_token=5)

@@ -239,6 +239,31 @@ def test_a_peer_that_never_reaches_the_first_shuffle_is_reported_by_finish() -> 
     assert later[0] == "RuntimeError" and "closed after an aborted shuffle" in later[1], later
 
 
+def _two_setups_worker(rank: int, w: int) -> Any:
+    first, second = BatchShuffler(token_count, timeout=TIMEOUT), BatchShuffler(token_count, timeout=TIMEOUT)
+    batch = make_batch(rank, 8, 8, seed=3)
+    if rank == 1:  # the first shuffler's setup fails here, rank 0 being absent
+        err = _outcome(lambda: first.shuffle(batch))
+        time.sleep(3 * TIMEOUT + 5)  # then never calls the second
+        return err[:1]
+    time.sleep(2 * TIMEOUT + 1)
+    try:
+        second.shuffle(batch)
+        return ("ok",)
+    except ShuffleAbortedError as e:
+        return (type(e).__name__, e.missing, str(e))
+
+
+def test_a_setup_diagnosis_is_not_confused_by_another_shufflers() -> None:
+    # Both shufflers' setup keys were the same (shuffle #0 over the same ranks), so
+    # rank 1's key from the first made rank 0 report that every rank reached the
+    # second one's setup.
+    second, first = run_workers(_two_setups_worker, 2, timeout=90)  # rank 0: the second shuffler
+    assert first == ("ShuffleAbortedError",), first
+    kind, missing, msg = second
+    assert (kind, missing) == ("ShuffleAbortedError", [1]) and "rank(s) [1] never started" in msg, second
+
+
 @pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
 def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> None:
     outs = run_workers_outcomes(_stall_worker, 2, mode, timeout=60)

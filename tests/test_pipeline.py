@@ -385,10 +385,12 @@ def test_a_non_batch_on_one_rank_fails_every_rank() -> None:
             "BaseBatch or a TokenBatch (rank 1)" in msg, outs
 
 
-def _worker_flag_on_one_rank(rank: int, world: int) -> str:
+def _worker_flag_on_one_rank(rank: int, world: int, prefetch_on_rank0: bool = False) -> str:
+    config = BalancerConfig(enable_balanced_shuffler=rank == 0)
+    if prefetch_on_rank0:
+        config = BalancerConfig(pipeline="prefetch" if rank == 0 else "sparse_dist")
     try:
-        pipe = create_train_pipeline(torch.nn.Linear(2, 2), None, torch.device("cpu"),  # type: ignore[arg-type]
-                                     BalancerConfig(enable_balanced_shuffler=rank == 0))
+        pipe = create_train_pipeline(torch.nn.Linear(2, 2), None, torch.device("cpu"), config)  # type: ignore[arg-type]
         pipe.close()
         return "built"
     except ValueError as e:
@@ -403,6 +405,12 @@ def test_balancing_on_some_ranks_only_fails_every_rank_at_construction() -> None
         assert msg == ("create_train_pipeline: the ranks asked for different pipelines (pipeline and "
                        "enable_balanced_shuffler must be the same on every rank; this rank: pipeline='sparse_dist', "
                        f"enable_balanced_shuffler={r == 0}) (rank {r})"), outs
+    # A rank's own error (prefetch on the CPU) goes through the same all-reduce: rank 0
+    # raised before it and rank 1 waited there until rank 0's process ended.
+    outs = run_workers(_worker_flag_on_one_rank, 2, True, timeout=120)
+    assert outs == ["BalancerConfig.pipeline='prefetch' needs a CUDA device, got device=cpu; use "
+                    "pipeline='sparse_dist'",
+                    "create_train_pipeline failed on rank 0 (see its error) (rank 1)"], outs
 
 
 def test_non_basebatch_is_rejected() -> None:
