@@ -232,35 +232,30 @@ def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> 
     waits up to ``grace`` seconds for the others'. A rank that is stalled or
     dead never writes. ``None`` if the store cannot be reached.
     """
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        key = f"balancer/{groups.name}/failed/{seq}/{phase}/"
-        store.set(key + str(groups.rank), "1")
-        deadline = time.monotonic() + grace
-        while True:
-            present = [r for r in range(groups.world_size) if store.check([key + str(r)])]
-            if len(present) == groups.world_size or time.monotonic() > deadline:
-                return sorted(set(range(groups.world_size)) - set(present))
-            time.sleep(0.05)
-    except Exception as e:  # noqa: BLE001 - diagnosis only; the caller still raises
-        logger.warning("balancer: could not read which ranks are missing: %s", e)
-        return None
+    names = [str(r) for r in range(groups.world_size)]
+    return _absent(f"balancer/{groups.name}/failed/{seq}/{phase}/", names[groups.rank], names, grace)
 
 
 def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> list[int] | None:
     """Ranks (within the group of global ``ranks``) that did not reach the setup ``attempt``
     (the same text on every rank: which shuffler, which shuffle) of a shuffler's groups, as
-    :func:`missing_ranks` tells them (each rank whose setup failed writes its key and waits
-    up to ``grace`` seconds for the others')."""
+    :func:`missing_ranks` tells them."""
+    names = [str(r) for r in ranks]
+    return _absent(f"balancer/setup/{','.join(names)}/{attempt}/", str(dist.get_rank()), names, grace)
+
+
+def _absent(prefix: str, mine: str, names: list[str], grace: float) -> list[int] | None:
+    """Write ``prefix + mine`` to the default store, then wait up to ``grace`` seconds for
+    ``prefix + name`` of every name; the indices of the names still absent (``None`` if the
+    store cannot be reached)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        key = f"balancer/setup/{','.join(map(str, ranks))}/{attempt}/"
-        store.set(key + str(dist.get_rank()), "1")
+        store.set(prefix + mine, "1")
         deadline = time.monotonic() + grace
         while True:
-            present = [i for i, r in enumerate(ranks) if store.check([key + str(r)])]
-            if len(present) == len(ranks) or time.monotonic() > deadline:
-                return sorted(set(range(len(ranks))) - set(present))
+            present = [i for i, n in enumerate(names) if store.check([prefix + n])]
+            if len(present) == len(names) or time.monotonic() > deadline:
+                return sorted(set(range(len(names))) - set(present))
             time.sleep(0.05)
     except Exception as e:  # noqa: BLE001 - diagnosis only; the caller still raises
         logger.warning("balancer: could not read which ranks are missing: %s", e)

@@ -21,7 +21,19 @@ from balancer._limits import DISPATCH_TOTAL, LENGTHS_TOTAL
 # counts) of costs near float64's largest value came out inf or nan.
 _COST_TOTAL = 1e300
 
-__all__ = ["Units", "as_lengths", "check_fits", "check_flag", "check_positive", "make_units", "row_cost"]
+__all__ = ["Units", "as_lengths", "check_fits", "check_flag", "check_positive", "is_empty", "make_units", "row_cost"]
+
+
+def is_empty(lengths: Any) -> bool:
+    """Whether ``lengths`` is a 1-D sequence, array or tensor of no element (anything else,
+    malformed input included, is for :func:`as_lengths` to judge)."""
+    if isinstance(lengths, torch.Tensor):
+        return lengths.dim() == 1 and lengths.numel() == 0
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError):
+        return False
+    return arr.ndim == 1 and arr.size == 0
 
 
 def as_lengths(lengths: Any, where: str) -> np.ndarray:

@@ -47,8 +47,8 @@ def sequence_lengths(
             keys are listed), or, with ``include_contextual``, a contextual
             feature is also in ``feature_names`` (it would be counted twice).
     """
-    seq_lens = _token_lengths(batch)
-    if seq_lens is not None:
+    if is_token_batch(batch):
+        seq_lens = batch.seq_lens.to(torch.int64)
         return seq_lens * 2 if interleaved else seq_lens
     kjt, b = batch.features, batch.batch_size
     keys = kjt.keys()
@@ -75,12 +75,10 @@ def sequence_lengths(
     return out
 
 
-def _token_lengths(batch: Any) -> torch.Tensor | None:
-    """A token batch's ``seq_lens`` as int64 (``None`` for a KJT batch)."""
-    seq_lens = getattr(batch, "seq_lens", None)
-    if isinstance(seq_lens, torch.Tensor) and not hasattr(batch, "features"):
-        return seq_lens.to(torch.int64)
-    return None
+def is_token_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a token batch (``seq_lens``, no KJT ``features``): told by its
+    fields, as :mod:`balancer.tokens` imports nothing of the estimators'."""
+    return isinstance(getattr(batch, "seq_lens", None), torch.Tensor) and not hasattr(batch, "features")
 
 
 def _evaluate(batch: BaseBatch, lengths: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:

@@ -31,9 +31,8 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import torch
 
-from balancer._llm_units import as_lengths, check_positive, row_cost
+from balancer._llm_units import as_lengths, check_positive, is_empty, row_cost
 from balancer.dispatch import DispatchPlan, plan_dispatch
 
 __all__ = ["BufferedDispatcher", "DispatchRound"]
@@ -164,7 +163,7 @@ class BufferedDispatcher:
             ValueError: bad lengths or ids, or a sample longer than
                 ``max_tokens`` (named by its id); nothing is buffered then.
         """
-        if _empty(lengths):
+        if is_empty(lengths):
             if ids is not None and np.asarray(ids).size:
                 raise ValueError(f"ids has shape {np.asarray(ids).shape}, expected (0,) like lengths")
             return
@@ -314,17 +313,6 @@ class BufferedDispatcher:
         good = np.flatnonzero(score <= max(float(score.min()), 1.0) * (1 + _TOL))
         best = good[np.argmax(age[rows[good]].sum(axis=1))]
         return np.sort(rows[best])
-
-
-def _empty(lengths: Any) -> bool:
-    """Whether ``lengths`` is a 1-D sequence, array or tensor of no element."""
-    if isinstance(lengths, torch.Tensor):
-        return lengths.dim() == 1 and lengths.numel() == 0
-    try:
-        arr = np.asarray(lengths)
-    except (TypeError, ValueError):
-        return False  # as_lengths names what is wrong with it
-    return arr.ndim == 1 and arr.size == 0
 
 
 def _with_empty_ranks(plan: DispatchPlan, w: int) -> DispatchPlan:

@@ -34,6 +34,7 @@ from balancer._llm_units import (
     check_fits,
     check_flag,
     check_positive,
+    is_empty,
     make_units,
 )
 from balancer._microbatch_pack import (
@@ -231,9 +232,7 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
         bound = fewest = -(-int(un.tokens.sum()) // cap) if cap else 1
     units = "samples" if all(m.size == 1 for m in un.members) else "groups"
     if num is not None:
-        if num % div or num < lo:
-            raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
-                             f"multiple of divisible_by={div} ({where})")
+        _check_fixed(num, lo, div, where)
         if num > u:
             if not strict:
                 return num, bound, {}
@@ -438,12 +437,7 @@ def _finish(un: Units, labels: np.ndarray, k: int, padded: bool, local_min: int,
 def _no_samples(lengths: Any, cost: Any, groups: Any, where: str) -> bool:
     """Whether ``lengths`` holds no sample (an empty list, array or tensor); then an
     array ``cost`` or ``groups`` must be empty too."""
-    if isinstance(lengths, torch.Tensor):
-        size = lengths.numel() if lengths.dim() == 1 else -1
-    else:
-        arr = np.asarray(lengths)
-        size = arr.size if arr.ndim == 1 else -1
-    if size != 0:
+    if not is_empty(lengths):
         return False
     for name, value in (("cost", cost), ("groups", groups)):
         if value is None or callable(value) or hasattr(value, "of_lengths") or hasattr(value, "coefficients"):
@@ -454,24 +448,42 @@ def _no_samples(lengths: Any, cost: Any, groups: Any, where: str) -> bool:
     return True
 
 
+def _check_fixed(num: int, lo: int, div: int, where: str) -> None:
+    """A fixed ``num_micro_batches`` must respect ``min_micro_batches`` and ``divisible_by``."""
+    if num % div or num < lo:
+        raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
+                         f"multiple of divisible_by={div} ({where})")
+
+
 def _fewest_allowed(num: int | None, lo: int, div: int, where: str) -> int:
     """The ``k`` of a rank with no samples: ``num`` (checked as for any rank), else the
     smallest multiple of ``div`` that is ``>= lo``."""
     if num is None:
         return -(-lo // div) * div
-    if num % div or num < lo:
-        raise ValueError(f"num_micro_batches={num} must be >= min_micro_batches={lo} and a "
-                         f"multiple of divisible_by={div} ({where})")
+    _check_fixed(num, lo, div, where)
     return num
 
 
+def _with_empty(plan: MicroBatchPlan, k: int) -> MicroBatchPlan:
+    """``plan`` with empty micro-batches appended up to ``k``: a rank with fewer samples
+    than the agreed ``k`` still runs the step's ``k`` passes."""
+    more = k - plan.num_micro_batches
+    if more <= 0:
+        return plan
+    zeros = np.zeros(more, np.int64)
+    return dataclasses.replace(
+        plan, micro_batches=plan.micro_batches + [[] for _ in range(more)], num_micro_batches=k,
+        costs=np.concatenate([plan.costs, np.zeros(more)]), tokens=np.concatenate([plan.tokens, zeros]),
+        padded_tokens=np.concatenate([plan.padded_tokens, zeros]))
+
+
 def _empty_plan(k: int, local_min: int, padded: bool) -> MicroBatchPlan:
-    """``k`` empty micro-batches: a rank with no samples still runs the step's ``k`` passes."""
-    zeros = np.zeros(k, np.int64)
-    return MicroBatchPlan(micro_batches=[[] for _ in range(k)], inverse=np.zeros(0, np.int64),
-                          num_micro_batches=k, local_min=local_min, token_bound=0, padded=padded,
-                          costs=np.zeros(k), tokens=zeros, padded_tokens=zeros.copy(), bound=0.0,
-                          objective_before=0.0, padded_tokens_before=0)
+    """``k`` empty micro-batches: the plan of a rank with no samples."""
+    none = np.zeros(0, np.int64)
+    plan = MicroBatchPlan(micro_batches=[], inverse=none, num_micro_batches=0, local_min=local_min,
+                          token_bound=0, padded=padded, costs=np.zeros(0), tokens=none, padded_tokens=none,
+                          bound=0.0, objective_before=0.0, padded_tokens_before=0)
+    return _with_empty(plan, k)
 
 
 def plan_micro_batches(
@@ -628,12 +640,4 @@ def plan_micro_batches(
     assert cut is not None, "a cut into k_local splits up to any k up to the unit count"
     if k != k_local:
         logger.debug("rank %d: %d micro-batches (needed %d)", rank, k, k_local)
-    plan = _finish(un, cut, cut_k, padded, k_local, bound, max_tokens)
-    if cut_k < k:
-        more = k - cut_k
-        plan = dataclasses.replace(
-            plan, micro_batches=plan.micro_batches + [[] for _ in range(more)], num_micro_batches=k,
-            costs=np.concatenate([plan.costs, np.zeros(more)]),
-            tokens=np.concatenate([plan.tokens, np.zeros(more, np.int64)]),
-            padded_tokens=np.concatenate([plan.padded_tokens, np.zeros(more, np.int64)]))
-    return plan
+    return _with_empty(_finish(un, cut, cut_k, padded, k_local, bound, max_tokens), k)

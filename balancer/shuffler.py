@@ -98,7 +98,7 @@ from balancer.partition import (
     localize,
     lower_bound,
 )
-from balancer.tokens import TokenBatch, pad_value
+from balancer.tokens import TokenBatch, fill_padding, pad_value, padding_positions
 
 logger = logging.getLogger(__name__)
 
@@ -673,14 +673,14 @@ def _canonical_length(batch: Any, length: int) -> Any:
     the caller's are not written). Anything else unchanged. Device ops only."""
     if not isinstance(batch, TokenBatch) or batch.packed:
         return batch
-    pad = torch.arange(length, device=batch.device)[None, :] >= batch.seq_lens[:, None]  # [B, length]
+    pad = padding_positions(batch.seq_lens, length)
 
     def fit(name: str, t: torch.Tensor) -> torch.Tensor:
         if length < t.shape[1]:  # only padding slots are cut
             t = t[:, :length]
         elif length > t.shape[1]:
             t = torch.cat([t, t.new_zeros((t.shape[0], length - t.shape[1], *t.shape[2:]))], dim=1)
-        return t.masked_fill(pad.view(*pad.shape, *([1] * (t.dim() - 2))), pad_value(batch, name))
+        return fill_padding(t, pad, pad_value(batch, name))
 
     return dataclasses.replace(batch, tokens={k: fit(k, v) for k, v in batch.tokens.items()})
 

@@ -158,13 +158,11 @@ class TokenBatch:
         # A stable sort of "is padding" puts each row's valid positions first, in order.
         order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
         seq_lens = valid.sum(dim=1)
-        keep = torch.arange(m.shape[1], device=m.device)[None, :] < seq_lens[:, None]
+        beyond = padding_positions(seq_lens, m.shape[1])
         moved = {}
         for name, t in tokens.items():
-            index = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(*order.shape, *t.shape[2:])
-            out = t.gather(1, index)
-            fill = keep.view(*keep.shape, *([1] * (t.dim() - 2)))
-            moved[name] = out.masked_fill(~fill, pads.get(name, 0))
+            index = _per_token(order, t).expand(*order.shape, *t.shape[2:])
+            moved[name] = fill_padding(t.gather(1, index), beyond, pads.get(name, 0))
         return cls(batch_size=int(m.shape[0]), seq_lens=seq_lens, tokens=moved,
                    samples={} if samples is None else samples, actual_batch_size=actual_batch_size,
                    pad_multiple=pad_multiple, pad_values=pads)
@@ -190,8 +188,7 @@ class TokenBatch:
         """``[B, L]`` bool, True on a padded batch's valid tokens (a device op, no read)."""
         if self.packed:
             raise ValueError("attention_mask: a packed batch has no padding; use cu_seqlens()")
-        positions = torch.arange(self.max_len, device=self.device)
-        return positions[None, :] < self.seq_lens[:, None]
+        return ~padding_positions(self.seq_lens, self.max_len)
 
     def map_tensors(self, fn: Any, **changes: Any) -> TokenBatch:
         """A new batch with ``fn`` applied to every tensor; ``changes`` override fields."""
@@ -233,6 +230,21 @@ class TokenBatch:
         """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""
         if self.device.type == "cuda":
             self.map_tensors(lambda t: t.record_stream(stream) or t)  # type: ignore[func-returns-value]
+
+
+def padding_positions(seq_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, length]`` bool, True beyond each sample's ``seq_lens`` (a device op, no read)."""
+    return torch.arange(length, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+
+
+def fill_padding(t: torch.Tensor, beyond: torch.Tensor, value: int | float) -> torch.Tensor:
+    """``t`` (``[B, L, *shape]``) with the positions ``beyond`` marks (``[B, L]``) set to ``value``."""
+    return t.masked_fill(_per_token(beyond, t), value)
+
+
+def _per_token(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` ``x`` viewed to broadcast over ``t``'s per-token dimensions."""
+    return x.view(*x.shape, *([1] * (t.dim() - 2)))
 
 
 def _describe(t: object) -> str:

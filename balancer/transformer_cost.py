@@ -25,7 +25,7 @@ from balancer._quadratic import (
     _names,
     _positive_int,
     _Quadratic,
-    _token_lengths,
+    is_token_batch,
     sequence_lengths,
 )
 from balancer.batch import BaseBatch
@@ -239,9 +239,7 @@ class TransformerCost(_Quadratic):
         contextual, not twice).
         """
         names = self.feature_names
-        if not names and _token_lengths(batch) is not None:
-            names = ("seq_lens",)  # sequence_lengths takes a TokenBatch's seq_lens whatever the names
-        if not names:
+        if not names and not is_token_batch(batch):  # a token batch's length is its seq_lens
             skip = set(batch.contextual_feature_names) if self.include_contextual else set()
             keys: list[str] = batch.features.keys()  # a KJT: iterating it is not its keys
             names = tuple(k for k in keys if k not in skip)
