@@ -110,7 +110,7 @@ class BufferedDispatcher:
 
     Raises:
         ValueError: non-positive sizes, ``padded`` without
-            ``micro_batch_size``, or another keyword (``groups`` and
+            ``micro_batch_size`` (or that without ``padded``), or another keyword (``groups`` and
             ``equal_count=False`` of ``plan_dispatch`` among them: a round picks
             its samples from the window, so per-sample group ids cannot be
             given up front, and every rank gets ``samples_per_rank``).
@@ -125,6 +125,9 @@ class BufferedDispatcher:
         if padded and micro_batch_size is None:
             raise ValueError("BufferedDispatcher: padded=True needs micro_batch_size (rows per "
                              "micro-batch) to score a window's padding")
+        if micro_batch_size is not None and not padded:  # else every round raised it
+            raise ValueError(f"BufferedDispatcher: micro_batch_size={micro_batch_size} bounds the rows of padded "
+                             "micro-batches; pass padded=True or use max_tokens")
         if dispatch_kwargs.get("equal_count") is True:  # plan_dispatch's default, what every round does
             dispatch_kwargs = {k: v for k, v in dispatch_kwargs.items() if k != "equal_count"}
         unknown = sorted(set(dispatch_kwargs) - set(_PASSED))
@@ -192,8 +195,16 @@ class BufferedDispatcher:
             new = raw.astype(np.int64)
             if new.shape != lens.shape:
                 raise ValueError(f"ids has shape {new.shape}, expected {lens.shape} like lengths")
-            if np.intersect1d(new, self._ids).size or np.unique(new).size != new.size:
-                raise ValueError("ids must be unique among buffered samples")
+            seen, first = np.unique(new, return_index=True)
+            if seen.size != new.size:
+                dup = int(np.setdiff1d(np.arange(new.size), first)[0])
+                raise ValueError(f"ids[{dup}] = {int(new[dup])} repeats ids[{int(np.flatnonzero(new == new[dup])[0])}]; "
+                                 "ids must be unique among buffered samples (BufferedDispatcher.put)")
+            again = np.intersect1d(new, self._ids)
+            if again.size:
+                dup = int(np.flatnonzero(new == again[0])[0])
+                raise ValueError(f"ids[{dup}] = {int(again[0])} is already buffered; ids must be unique "
+                                 "among buffered samples (BufferedDispatcher.put)")
         if self._cap is not None and int(lens.max()) > self._cap:
             # Buffered, it would fail every later round (the buffer is kept on an error).
             i = int(np.argmax(lens))

@@ -44,7 +44,15 @@ from balancer._microbatch_pack import (
     pack_padded_groups,
     segment_padded,
 )
-from balancer.microbatch import MicroBatchPlan, _cut_at, _finish, _grouped, _local_k, _plan_k
+from balancer.microbatch import (
+    MicroBatchPlan,
+    _cut_at,
+    _finish,
+    _grouped,
+    _local_k,
+    _plan_k,
+    _with_empty,
+)
 from balancer.partition import balanced_partition, lower_bound
 from balancer.partition._bound import bound_sorted
 from balancer.partition._free import free_assign, labels_to_lists
@@ -81,7 +89,7 @@ class DispatchPlan:
         """verl-style scalars for a logger: loads, imbalance, padding, counts."""
         mean = float(self.loads.mean())
         top, top_before = float(self.loads.max()), float(self.loads_before.max())
-        real = max(int(self.tokens.sum()), 1)
+        real = int(self.tokens.sum())
         counts = [len(r) for r in self.ranks]
         out = {
             "load_min": float(self.loads.min()), "load_max": top, "load_mean": mean,
@@ -92,8 +100,9 @@ class DispatchPlan:
             "speedup": top_before / top if top > 0 else 1.0,
             "tokens_min": float(self.tokens.min()), "tokens_max": float(self.tokens.max()),
             "samples_min": float(min(counts)), "samples_max": float(max(counts)),
-            "padding_ratio": float(self.padded_tokens.sum()) / real,
-            "padding_ratio_before": float(self.padded_tokens_before.sum()) / real,
+            # 1.0 (no padding) with no real token, as MicroBatchPlan.padding_ratio
+            "padding_ratio": float(self.padded_tokens.sum()) / real if real else 1.0,
+            "padding_ratio_before": float(self.padded_tokens_before.sum()) / real if real else 1.0,
             "num_micro_batches": float(self.num_micro_batches),
         }
         return {prefix + k: v for k, v in out.items()}
@@ -135,14 +144,17 @@ def _equal_split(x: np.ndarray, w: int) -> list[np.ndarray]:
 def _rank_plan(un: Units, parts: list[np.ndarray], k: int, cap: int | None,
                known: list[dict[int, Any]]) -> list[MicroBatchPlan]:
     """Each share cut into ``k`` micro-batches: a cut found while choosing ``k``, a
-    packing at ``k``, or the share's own fewer split up (``_cut_at``)."""
+    packing at ``k``, or the share's own fewer split up (``_cut_at``); a share with
+    fewer units than ``k``, one unit a micro-batch and empty ones for the rest."""
     plans = []
     for idx, cuts in zip(parts, known, strict=True):
         sub = _sub(un, idx)
-        cut = _cut_at(sub, k, cap, None, False, cuts)
-        # Every share has >= k units and a cut into at most k (its own k, or k dealt).
+        mine = min(k, idx.size)
+        cut = _cut_at(sub, mine, cap, None, False, cuts)
+        # A share with >= k units has a cut into at most k (its own k, or k dealt);
+        # one with fewer is cut one unit each (every unit fits the budget).
         assert cut is not None, "a share's cut into fewer splits up to k"
-        plans.append(_finish(sub, cut, k, False, k, k, cap))
+        plans.append(_with_empty(_finish(sub, cut, mine, False, k, k, cap), k))
     return plans
 
 
@@ -319,8 +331,10 @@ def plan_dispatch(
                 if missing:  # the share's own reason, raised as a single rank's plan would
                     _local_k(_sub(un, parts[missing[0]]), max_tokens, None, False, num_micro_batches,
                              min_micro_batches, divisible_by, where)
-                raise ValueError(f"{k} micro-batches per rank but a rank has only {fewest} {kind} "
-                                 f"({u} {kind} for {w} ranks) ({where})")
+                # The settings ask for more micro-batches than a share has units (or a
+                # dispatcher's last round is short): one unit a micro-batch there, the
+                # rest empty, as plan_micro_batches gives such a rank (_rank_plan).
+                break
             k, parts, cuts = dealt
             known = [{k: c} for c in cuts]
             min_size = k
@@ -354,6 +368,23 @@ def plan_dispatch(
     )
 
 
+def _deal_singletons(x: np.ndarray, w: int, k: int) -> list[np.ndarray]:
+    """``u`` one-unit micro-batches (costs ``x``, ``w <= u < w k``) and ``w k - u`` empty
+    ones (indices ``u..``), ``k`` to a rank: the costliest first, each to the rank
+    with the least load, then the fewest micro-batches (so every rank gets one),
+    then the lowest index; the empty ones fill up the rest."""
+    u = x.size
+    load, count = [0.0] * w, [0] * w
+    parts: list[list[int]] = [[] for _ in range(w)]
+    for i in sorted(range(u), key=lambda i: (-float(x[i]), i)):
+        r = min((r for r in range(w) if count[r] < k), key=lambda r: (load[r], count[r], r))
+        parts[r].append(i)
+        load[r] += float(x[i])
+        count[r] += 1
+    empty = iter(range(u, w * k))
+    return [np.array(p + [next(empty) for _ in range(k - len(p))], np.int64) for p in parts]
+
+
 def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: int, div: int,
                      mbs: int | None, kind: str, cut: bool) -> DispatchPlan:
     """Length-homogeneous micro-batches of the whole batch, dealt ``k`` per rank."""
@@ -373,10 +404,12 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
         k = -(-max(lo, -(-fewest // w)) // div) * div
     else:
         k = 1  # one padded batch per rank
-    if w * k > u:
-        raise ValueError(f"{w} ranks x {k} micro-batches need {w * k} {kind}, only {u} given ({_WHERE})")
     runs: list[np.ndarray] | None = None
-    if grouped:
+    if w * k > u:
+        # More micro-batches than units (the settings ask for them, or a dispatcher's
+        # last round is short): one unit a micro-batch, the rest empty, dealt k a rank.
+        runs = [order[i:i + 1] for i in range(u)] + [order[:0]] * (w * k - u)
+    elif grouped:
         found = pack_padded_groups(un.head, un.rows, un.head_cost, cap, mbs, w * k)
         if found is not None:
             runs = [np.asarray(m, np.int64) for m in found]  # each longest first, as runs are
@@ -389,19 +422,22 @@ def _dispatch_padded(un: Units, w: int, cap: int | None, num: int | None, lo: in
         raise ValueError(f"num_micro_batches={k} per rank cannot hold these {kind} under the budget "
                          f"(max_tokens={cap}, micro_batch_size={mbs}): {fewest} micro-batches {need} "
                          f"in all ({_WHERE})")
-    run_cost = np.array([float(un.rows[r].sum() * un.head_cost[r[0]]) for r in runs])
+    run_cost = np.array([float(un.rows[r].sum() * un.head_cost[r[0]]) if r.size else 0.0 for r in runs])
     x = _scaled(run_cost)
-    deal = _equal_split(x, w)
+    deal = _equal_split(x, w) if w * k <= u else _deal_singletons(x[:u], w, k)
     bound = float(lower_bound(x, w)) * float(run_cost.sum()) / max(float(x.sum()), 1e-300)
     ranks, micro, loads, ptok, tokens = [], [], [], [], []
     for p in deal:
         mine = [runs[i] for i in p.tolist()]
-        mine.sort(key=lambda r: (-float(un.rows[r].sum() * un.head_cost[r[0]]), int(r.min())))
-        batches = [np.sort(np.concatenate([un.members[i] for i in r.tolist()])).tolist() for r in mine]
+        # Heaviest first, ties by first sample; empty micro-batches last.
+        mine.sort(key=lambda r: (-float(un.rows[r].sum() * un.head_cost[r[0]]), int(r.min())) if r.size
+                  else (1.0, 0))
+        batches = [np.sort(np.concatenate([un.members[i] for i in r.tolist()])).tolist() if r.size else []
+                   for r in mine]
         micro.append(batches)
         ranks.append(sorted(i for b in batches for i in b))
         loads.append(float(run_cost[p].sum()))
-        ptok.append(sum(int(un.rows[r].sum() * un.head[r[0]]) for r in mine))
+        ptok.append(sum(int(un.rows[r].sum() * un.head[r[0]]) for r in mine if r.size))
         tokens.append(sum(int(un.tokens[r].sum()) for r in mine))
     loads_before, ptok_before = _padded_before(un, _contiguous(u, w), k)
     return DispatchPlan(

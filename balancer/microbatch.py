@@ -221,9 +221,11 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
              lo: int, div: int, where: str, strict: bool = True) -> tuple[int, int, dict[int, Any]]:
     """``(k this rank needs, token bound, {k: cut})``; raises if impossible.
 
-    ``strict=False`` (a dispatcher that can still re-split) returns a ``k``
-    above the unit count, or a fixed ``num`` that does not pack, instead of
-    raising, with no cut.
+    Settings that ask for more micro-batches than units (``num``, ``lo`` or
+    ``div`` above the unit count: the end of an uneven epoch) give that ``k``
+    with no cut: the caller cuts one unit a micro-batch and adds empty ones.
+    ``strict=False`` (a dispatcher that can still re-split) also returns a
+    fixed ``num`` that does not pack instead of raising, with no cut.
     """
     u = un.tokens.size
     if padded:
@@ -234,10 +236,7 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
     if num is not None:
         _check_fixed(num, lo, div, where)
         if num > u:
-            if not strict:
-                return num, bound, {}
-            raise ValueError(f"num_micro_batches={num} but only {u} {units}: a micro-batch would "
-                             f"be empty ({where})")
+            return num, bound, {}  # one unit a micro-batch, the rest empty
         probes: dict[int, Any] = {}  # k -> cut or None: each count is packed at most once
         cut = _probe(un, num, cap, mbs, padded, probes)
         if cut is None:
@@ -271,13 +270,10 @@ def _local_k(un: Units, cap: int | None, mbs: int | None, padded: bool, num: int
             if k < found[0]:
                 found = (k, _split_up(un, few[1], k, padded))
     if found is None:
-        top = u // div * div  # the most micro-batches with none empty
-        need = top + div if top >= max(lo, fewest) else first
-        if not strict:
-            return need, bound, {}
-        raise ValueError(f"needs {need} micro-batches (token budget {cap}, min_micro_batches={lo}, "
-                         f"divisible_by={div}) but has only {u} {units}: a micro-batch would be "
-                         f"empty ({where})")
+        # No allowed count up to the unit count packs (one unit each always does):
+        # the first allowed count above it, one unit a micro-batch, the rest empty.
+        top = u // div * div
+        return (top + div if top >= max(lo, fewest) else first), bound, {}
     good, cut = found
     return good, bound, {good: cut}
 
@@ -557,11 +553,13 @@ def plan_micro_batches(
     Returns:
         A :class:`MicroBatchPlan`.
 
-    A rank with fewer samples (or groups) than the agreed ``k`` -- none at all
-    (empty ``lengths``: an all-padding batch at the end of an uneven epoch) or a
-    few -- gets one per micro-batch and empty micro-batches for the rest of the
-    ``k`` (the fewest allowed where every rank is empty), so that it runs the
-    step's ``k`` forward/backward passes with the others.
+    A rank with fewer samples (or groups) than ``k`` -- the agreed one, or the
+    one its own ``num_micro_batches``, ``min_micro_batches`` or
+    ``divisible_by`` ask for; none at all (empty ``lengths``: an all-padding
+    batch at the end of an uneven epoch) or a few -- gets one per micro-batch
+    and empty micro-batches for the rest of the ``k`` (the fewest allowed where
+    every rank is empty), so that it runs the step's ``k`` forward/backward
+    passes with the others.
 
     Raises:
         ValueError: non-1-D, negative, NaN, bool or non-integer lengths;
@@ -570,11 +568,10 @@ def plan_micro_batches(
             length and the budget); bad settings (non-positive ints, flags
             that are not Python bools,
             ``num_micro_batches`` not a multiple of ``divisible_by`` or below
-            ``min_micro_batches``, ``micro_batch_size`` without ``padded``);
-            more micro-batches than samples or groups asked for by this rank's own settings
-            (``num_micro_batches``, ``min_micro_batches``, ``divisible_by``); with the
-            collective, any of these on another rank or settings that differ
-            between ranks.
+            ``min_micro_batches``, ``micro_batch_size`` without ``padded``); a
+            ``num_micro_batches`` that the samples do not pack into under the
+            budget; with the collective, any of these on another rank or
+            settings that differ between ranks.
     """
     rank = _rank_of(pg)
     where = f"rank {rank}"
@@ -631,11 +628,12 @@ def plan_micro_batches(
     if empty:
         return _empty_plan(k, k_local, padded)
     assert un is not None, "set unless an error was raised"
-    # A rank with fewer units than the agreed k (the end of an uneven epoch) cuts one
-    # unit a micro-batch and runs the remaining passes empty.
+    # A rank with fewer units than k (the agreed one, or its own settings' at the end
+    # of an uneven epoch) cuts one unit a micro-batch and runs the remaining passes empty.
     units = un.tokens.size
     cut_k = min(k, units)
-    # k_local <= cut_k <= this rank's units: a cut exists.
+    # Either k_local <= cut_k <= units (a cut into k_local splits up to cut_k) or
+    # cut_k == units (one unit each: every unit fits the budget).
     cut = _cut_at(un, cut_k, max_tokens, micro_batch_size, padded, cache)
     assert cut is not None, "a cut into k_local splits up to any k up to the unit count"
     if k != k_local:

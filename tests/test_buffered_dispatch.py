@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -88,8 +90,15 @@ def test_errors() -> None:
         BufferedDispatcher(2, 4, window=0)
     disp = BufferedDispatcher(2, 2)
     disp.put([1, 2], ids=[5, 6])
-    with pytest.raises(ValueError, match="ids must be unique among buffered samples"):
+    with pytest.raises(ValueError, match=r"ids\[0\] = 5 is already buffered; ids must be unique among buffered "
+                                         r"samples \(BufferedDispatcher.put\)"):
         disp.put([3], ids=[5])
+    with pytest.raises(ValueError, match=r"ids\[2\] = 8 repeats ids\[0\]; ids must be unique"):
+        disp.put([3, 4, 5], ids=[8, 9, 8])
+    # micro_batch_size without padded once passed here and failed every round
+    with pytest.raises(ValueError, match=r"BufferedDispatcher: micro_batch_size=2 bounds the rows of padded "
+                                         r"micro-batches; pass padded=True or use max_tokens"):
+        BufferedDispatcher(2, 2, micro_batch_size=2)
     with pytest.raises(ValueError, match=r"2 samples buffered, a round needs 4 \(pass flush=True"):
         disp.next()
     with pytest.raises(ValueError, match=r"lengths\[0\] = -1, expected an integer >= 0"):
@@ -143,17 +152,37 @@ def test_drain_sends_every_sample_even_fewer_than_ranks(padded: bool) -> None:
 
 
 def test_drain_when_micro_batches_cannot_be_shared_evenly() -> None:
-    # 7 one-row padded micro-batches cannot go 3 to each of 3 ranks: the last
-    # round once raised "3 ranks x 3 micro-batches need 9 samples, only 7 given".
+    # 7 one-row padded micro-batches for 3 ranks x 3: the last round once raised
+    # "3 ranks x 3 micro-batches need 9 samples, only 7 given", then went to one
+    # rank alone. Every rank now takes the same 3 passes, two of them empty.
     disp = BufferedDispatcher(3, 3, window=1, padded=True, micro_batch_size=1)
     disp.put([5, 9, 2, 7, 7, 1, 4])
     (rnd,) = disp.drain()
     assert disp.pending == 0
     assert sorted(int(i) for r in range(3) for i in rnd.rank_ids(r)) == list(range(7))
     mbs = rnd.plan.micro_batches
-    assert mbs is not None and all(len(m) == 1 for rank in mbs for m in rank)
-    counts = sorted(len(rank) for rank in mbs)
-    assert counts[0] == 0 and len(set(c for c in counts if c)) == 1  # whole ranks left out, the rest alike
+    assert mbs is not None and [len(rank) for rank in mbs] == [3, 3, 3]
+    assert sorted(len(m) for rank in mbs for m in rank) == [0, 0] + [1] * 7
+    for rank in mbs:  # the empty micro-batches come last
+        real = [m for m in rank if m]
+        assert rank == real + [[]] * (len(rank) - len(real))
+
+
+@pytest.mark.parametrize("kw", [{"max_tokens": 100, "divisible_by": 2}, {"num_micro_batches": 2},
+                                {"padded": True, "micro_batch_size": 1, "num_micro_batches": 2}])
+def test_drain_sends_the_last_sample_with_fewer_samples_than_micro_batches(kw: dict[str, Any]) -> None:
+    # 5 samples, rounds of 4: the last sample could never go out ("2 micro-batches
+    # per rank but a rank has only 1 samples"), and the buffer kept it for good.
+    disp = BufferedDispatcher(2, 2, window=1, **kw)
+    disp.put([10, 20, 30, 40, 50])
+    first = disp.next()
+    (last,) = disp.drain()
+    assert disp.pending == 0
+    sent = sorted(int(i) for rnd in (first, last) for r in range(2) for i in rnd.rank_ids(r))
+    assert sent == list(range(5))
+    mbs = last.plan.micro_batches
+    assert mbs is not None and [m for rank in mbs for m in rank if m] == [[0]]
+    assert mbs[0] == [[0], []]  # one sample a micro-batch, the rest of the count empty
 
 
 def test_an_empty_put_adds_nothing() -> None:

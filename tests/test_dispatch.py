@@ -38,8 +38,11 @@ def _check(plan: DispatchPlan, lengths: np.ndarray, w: int, *, equal: bool = Tru
         assert all(len(m) == plan.num_micro_batches for m in plan.micro_batches), "same k everywhere"
         for share, mbs in zip(plan.ranks, plan.micro_batches, strict=True):
             assert sorted(i for m in mbs for i in m) == share
-            for m in mbs:
-                assert m, "no empty micro-batch"
+            real = [m for m in mbs if m]
+            if len(real) < len(mbs):  # fewer units than k: one unit each, the empty ones last
+                assert mbs[len(real):] == [[]] * (len(mbs) - len(real))
+                assert groups is not None or all(len(m) == 1 for m in real)
+            for m in real:
                 if cap is not None:
                     assert (len(m) * lengths[m].max() if padded else lengths[m].sum()) <= cap
     if groups is not None:
@@ -138,12 +141,12 @@ def test_unequal_shares_plan_whenever_micro_batches_can_be_dealt() -> None:
         lens = rng.integers(1, 12, n)
         cap = int(lens.max() + rng.integers(0, 8))
         best = _min_dealt_k(lens, w, cap)
-        if best is None:
-            with pytest.raises(ValueError):
-                plan_dispatch(lens, w, equal_count=False, max_tokens=cap, cost=quad)
-            continue
         plan = plan_dispatch(lens, w, equal_count=False, max_tokens=cap, cost=quad)
         _check(plan, lens, w, equal=False, cap=cap)
+        assert plan.micro_batches is not None
+        if best is None:  # no deal without an empty micro-batch: one unit each where short
+            assert any(not m for mbs in plan.micro_batches for m in mbs)
+            continue
         assert plan.num_micro_batches >= best
 
 
@@ -164,8 +167,14 @@ def test_unequal_shares_take_a_fixed_micro_batch_count_whenever_it_can_be_dealt(
         cap = int(lens.max() + rng.integers(0, 12))
         cost = rng.integers(1, 10, n).astype(np.float64)
         if _min_dealt_k(lens, w, cap, ks=[num]) is None:
-            with pytest.raises(ValueError):
-                plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
+            if w * num <= n:  # enough samples: the count cannot pack them
+                with pytest.raises(ValueError):
+                    plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
+                continue
+            # Fewer samples than micro-batches: empty ones where a share is short.
+            plan = plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
+            _check(plan, lens, w, equal=False, cap=cap)
+            assert plan.num_micro_batches == num
             continue
         plan = plan_dispatch(lens, w, cost=cost, equal_count=False, max_tokens=cap, num_micro_batches=num)
         _check(plan, lens, w, equal=False, cap=cap)
@@ -222,15 +231,11 @@ def test_host_only_no_torch_ops() -> None:
     ([1, 9000], 2, {"max_tokens": 8192},
      r"sample 1 needs 9000 tokens, more than max_tokens=8192; it must fit in one micro-batch \(controller\)"),
     ([1, 2], 2, {"padded": True, "equal_count": False}, "equal_count=False is not supported"),
-    ([1, 2, 3, 4], 2, {"num_micro_batches": 3},
-     r"3 micro-batches per rank but a rank has only 2 samples"),
     ([1, 2, 3, 4], 2, {"num_micro_batches": 3, "divisible_by": 2},
      r"num_micro_batches=3 must be >= min_micro_batches=1 and a multiple of divisible_by=2"),
     ([5] * 4, 2, {"padded": True, "num_micro_batches": 1, "max_tokens": 5},
      r"num_micro_batches=1 per rank cannot hold these samples under the budget \(max_tokens=5, "
      r"micro_batch_size=None\): 4 micro-batches are needed in all"),
-    ([5] * 4, 2, {"padded": True, "num_micro_batches": 3},
-     r"2 ranks x 3 micro-batches need 6 samples, only 4 given"),
     ([1, 2], 0, {}, r"world_size=0, expected an int >= 1 \(controller\)"),
     # beyond int64: an OverflowError from numpy
     ([1, 2], 1, {"max_tokens": 2**63}, r"max_tokens=9223372036854775808, expected an int below 2\*\*63"),
@@ -283,6 +288,26 @@ def test_random_settings_give_a_valid_plan_or_a_value_error() -> None:
         if plan.micro_batches is not None and "num_micro_batches" not in kw:
             assert plan.num_micro_batches % kw.get("divisible_by", 1) == 0
     assert planned >= 40
+
+
+@pytest.mark.parametrize("kw", [{"num_micro_batches": 3}, {"divisible_by": 3, "max_tokens": 100},
+                                {"min_micro_batches": 3, "max_tokens": 100},
+                                {"equal_count": False, "num_micro_batches": 3},
+                                {"padded": True, "num_micro_batches": 3},
+                                {"padded": True, "num_micro_batches": 4, "micro_batch_size": 1}])
+def test_more_micro_batches_than_samples_give_empty_ones(kw: dict[str, Any]) -> None:
+    # Settings asking for more micro-batches than a share holds once raised
+    # ("3 micro-batches per rank but a rank has only 2 samples"; padded: "2 ranks
+    # x 3 micro-batches need 6 samples, only 4 given"), and BufferedDispatcher's
+    # last round could then never go out. Each rank now gets the same count,
+    # one sample a micro-batch and empty ones, as plan_micro_batches gives.
+    lens = np.array([9, 2, 5, 7] if kw.get("equal_count", True) and not kw.get("padded") else [9, 2, 5, 7, 4])
+    plan = plan_dispatch(lens, 2, **kw)
+    k = plan.num_micro_batches
+    assert k == kw.get("num_micro_batches", 3)
+    _check(plan, lens, 2, equal=False, padded=kw.get("padded", False))
+    assert plan.micro_batches is not None
+    assert sum(1 for mbs in plan.micro_batches for m in mbs if not m) == 2 * k - lens.size
 
 
 def test_integer_costs_of_any_size() -> None:
