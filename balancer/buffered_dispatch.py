@@ -227,10 +227,10 @@ class BufferedDispatcher:
         Args:
             flush: allow a round from a partly filled window (at the end of
                 data); needs ``S`` samples unless fewer remain in all, then the
-                rest goes out with unequal shares where needed: to as many
-                ranks as can take the same number of micro-batches (with fewer
-                samples than ranks, or micro-batches that cannot be shared
-                evenly, the last ranks get nothing: an empty share and no
+                rest goes out with unequal shares where needed: a share with
+                fewer samples than the round's micro-batches gets one a
+                micro-batch and empty ones, and with fewer samples than ranks
+                the last ranks get nothing (an empty share and no
                 micro-batches), which a loop whose ranks must all step
                 together has to skip or pad.
 
