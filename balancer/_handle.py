@@ -12,9 +12,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import numpy as np
@@ -95,6 +97,66 @@ class ShuffleHandle:
         return self._job is None or self._job.done()
 
 
+# close(): how long to wait for a running background job (a healthy one takes
+# milliseconds; one blocked in a collective with a stalled peer would hold close()
+# for the shuffler's whole timeout, and is left to end with it).
+_CLOSE_GRACE_S = 2.0
+
+
+class BackgroundThread:
+    """One daemon thread that runs submitted jobs in order (``submit`` returns a
+    :class:`~concurrent.futures.Future`), like a one-worker ``ThreadPoolExecutor``
+    whose thread is not joined at interpreter exit.
+
+    A ``ThreadPoolExecutor``'s thread is: a process whose job waited in a
+    collective for a stalled peer did not exit, after an uncaught exception or
+    Ctrl-C, until the shuffler's timeout (300 s by default) ran out -- past a
+    preemption's grace period, and torchrun could not tear the job down.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller, as an executor does
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del job, future, fn, args  # drop the batch's references while idle
+
+    def shutdown(self, grace: float) -> None:
+        """Cancel the queued jobs, let the thread end after the running one, and wait
+        for that up to ``grace`` seconds (a job blocked in a collective ends with its
+        timeout; the daemon thread never holds up the process's exit)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+        if grace > 0 and self._thread is not threading.current_thread():
+            self._thread.join(grace)
+
+
 class ShufflerBase:
     """Handle bookkeeping shared by both shufflers: sequence numbers, start-order
     finishing, one finish per handle, the background thread."""
@@ -108,7 +170,7 @@ class ShufflerBase:
         self._pending: weakref.WeakValueDictionary[int, ShuffleHandle] = weakref.WeakValueDictionary()
         self._closed = False
         self._broken: BaseException | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: BackgroundThread | None = None
         self._finalizer: weakref.finalize | None = None
 
     def shuffle(self, batch: BatchT, pg: dist.ProcessGroup | None = None) -> BatchT:
@@ -122,11 +184,12 @@ class ShufflerBase:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop the background thread (queued work is cancelled); later calls
-        raise ``RuntimeError``. Idempotent."""
+        """Stop the background thread (queued work is cancelled; a running job gets a
+        short grace, and one blocked in a collective for a stalled peer is left to
+        end with its timeout); later calls raise ``RuntimeError``. Idempotent."""
         self._closed = True
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(_CLOSE_GRACE_S)
             self._executor = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -143,13 +206,13 @@ class ShufflerBase:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> BackgroundThread:
         if self._executor is None:
-            # One worker: background jobs run, and issue their collectives, in
+            # One thread: background jobs run, and issue their collectives, in
             # start order on every rank. The finalizer stops the thread when
             # the shuffler is garbage collected unclosed.
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="balancer-shuffle")
-            self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+            self._executor = BackgroundThread("balancer-shuffle")
+            self._finalizer = weakref.finalize(self, self._executor.shutdown, 0.0)
         return self._executor
 
     def _register(self, handle: ShuffleHandle) -> ShuffleHandle:
@@ -177,6 +240,11 @@ class ShufflerBase:
         if mark:
             handle._state.finished = True
             self._pending.pop(handle.seq, None)
+
+    def _unclaim(self, handle: ShuffleHandle) -> None:
+        """Undo :meth:`_claim`'s mark: ``handle`` may finish again (nothing of it ran)."""
+        handle._state.finished = False
+        self._pending[handle.seq] = handle
 
     def _local_job(self, meta: LocalMeta, comm: str) -> Outcome:
         """Background work of a shuffle that communicates nothing (W == 1, identity)."""

@@ -259,9 +259,20 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         super().reset()
 
     def close(self) -> None:
-        """Finish pending shuffles (a collective: call on every rank) and stop the shuffler."""
-        self._finish_shuffles()
-        self._shuffler.close()
+        """Finish pending shuffles (a collective: call on every rank) and stop the shuffler.
+
+        Never raises for a pending shuffle that fails (a peer died, or the
+        shuffler was already aborted): its batch would not be trained anyway, so
+        the error is logged, and the shuffler is stopped all the same. (It
+        raised, left the shuffler's thread and child running, and in a
+        ``finally:`` replaced the error that ended the loop.)"""
+        try:
+            self._finish_shuffles()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            logger.warning("balancer: a pending shuffle failed while closing the pipeline: %s", e)
+            self._pending.clear()
+        finally:
+            self._shuffler.close()
 
     # ------------------------------------------------------------------ shuffles
     def _start_shuffle(self, batch: Any) -> ShuffleHandle:

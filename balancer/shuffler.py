@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
@@ -273,6 +274,7 @@ class BatchShuffler(ShufflerBase):
         # Background thread only: (seq, plan digest, lowest rank of the planning group or -1).
         self._prev: dict[str, tuple[int, int, int]] = {}
         self._worker: PartitionWorker | None = None
+        self._worker_lock = threading.Lock()  # close() against a job starting a child
 
     def connect(self, pg: dist.ProcessGroup | None = None) -> None:
         """Create the shuffler's two gloo groups over ``pg`` now (otherwise the
@@ -402,7 +404,15 @@ class BatchShuffler(ShufflerBase):
             # caller that passed the wrong batch can retry with the right one.
             self._claim(handle)
             t_wait = perf_counter()
-            outcome = self._wait(handle, self.timeout + 60.0)
+            try:
+                outcome = self._wait(handle, self.timeout + 60.0)
+            except BaseException as e:
+                if not isinstance(e, Exception) and handle._job is not None and not handle._job.done():
+                    # Interrupted while waiting (Ctrl-C): no byte of phase 2 has moved,
+                    # so the same call can finish the handle (it was used up, and the
+                    # peers then waited in phase 2 until the timeout).
+                    self._unclaim(handle)
+                raise
             wait_s = perf_counter() - t_wait
             collective_s = 0.0
             out: Any = batch if self.capacity is None else _padded(batch, self.capacity)
@@ -428,13 +438,17 @@ class BatchShuffler(ShufflerBase):
         return out  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Stop the background thread and the partition child. The shuffler's two
+        """Stop the partition child and the background thread. The shuffler's two
         gloo groups stay with the process group (see :mod:`balancer._comm`):
         create one shuffler per data-parallel group and keep it."""
+        # The child first: a background job reading its reply (a wedged child)
+        # then fails at once, instead of holding close() for good.
+        with self._worker_lock:
+            self._closed = True  # no job starts a child after this
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
         super().close()
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
         self._groups.clear()
 
     # ------------------------------------------------------- background work
@@ -554,9 +568,16 @@ class BatchShuffler(ShufflerBase):
     def _planned(self, kwargs: dict[str, Any]) -> Step:
         """The step from the planner process; if it died (killed, out of memory),
         the same :func:`plan_step` here, which every other rank's planner also runs."""
+        child = self._child()
+        if child is None:  # closed meanwhile: the job finishes without a child
+            return plan_step(**kwargs)
         try:
-            return self._child().submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
-        except (EOFError, OSError) as e:
+            return child.submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
+        except (EOFError, OSError, RuntimeError) as e:
+            if self._closed:  # close() killed the child on purpose
+                return plan_step(**kwargs)
+            if isinstance(e, RuntimeError):  # the planner's own error, not its death
+                raise
             logger.warning("balancer: the planner process failed (%s); planning in-process", e)
             return plan_step(**kwargs)
 
@@ -651,14 +672,18 @@ class BatchShuffler(ShufflerBase):
             self._groups[id(group)] = groups
         return groups
 
-    def _child(self) -> PartitionWorker:
-        if self._worker is not None and not self._worker.alive():
-            logger.warning("balancer: the partition child process exited; starting a new one")
-            self._worker.close()
-            self._worker = None
-        if self._worker is None:
-            self._worker = PartitionWorker()  # closes itself when garbage collected
-        return self._worker
+    def _child(self) -> PartitionWorker | None:
+        """The partition child, started (again) where needed; ``None`` once closed."""
+        with self._worker_lock:
+            if self._closed:
+                return None
+            if self._worker is not None and not self._worker.alive():
+                logger.warning("balancer: the partition child process exited; starting a new one")
+                self._worker.close()
+                self._worker = None
+            if self._worker is None:
+                self._worker = PartitionWorker()  # closes itself when garbage collected
+            return self._worker
 
 
 def _raise(error: BaseException) -> Any:

@@ -92,8 +92,17 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _watch_parent(parent: int, every: float = 1.0) -> None:
+    """Exit once the parent is gone (the child is re-parented): stdin does not close
+    when a forked process (a DataLoader worker) still holds a copy of the pipe."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(0)
+
+
 def _serve(fd_in: int, fd_out: int) -> None:
-    """Child loop: answer requests until stdin closes."""
+    """Child loop: answer requests until stdin closes or the parent dies."""
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     while True:
         try:
             head = _read_exact(fd_in, _REQ.size)
@@ -193,8 +202,8 @@ class PartitionWorker:
         worker.close()
 
     With ``home`` the child also runs ``localize``. Requests are answered in
-    order by one child; it exits when the worker is closed, garbage-collected,
-    or its parent dies (stdin closes).
+    order by one child; it is killed when the worker is closed or
+    garbage-collected, and exits within a second of its parent's death.
     """
 
     def __init__(self) -> None:
@@ -295,26 +304,32 @@ class PartitionWorker:
             while not handle.done():
                 if self._closed:
                     raise RuntimeError("PartitionWorker is closed: its pending requests were dropped")
-                self._read_reply()
+                try:
+                    self._read_reply()
+                except EOFError:
+                    if self._closed:  # killed by close() while this thread read
+                        raise RuntimeError("PartitionWorker is closed: its pending requests were dropped") from None
+                    raise
 
     def alive(self) -> bool:
         """Whether the child process is still running."""
         return self._proc.poll() is None
 
     def close(self) -> None:
-        """Stop the child process (idempotent); later calls raise ``RuntimeError``."""
-        with self._lock:
-            self._closed = True
+        """Stop the child process (idempotent); later calls raise ``RuntimeError``.
+
+        Never waits for the lock: a thread blocked reading a reply (a wedged
+        child) gets end-of-file once the child is killed, and raises."""
+        self._closed = True
         self._finalizer()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.stdin is not None:
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+    # Killed, not asked: closing its stdin is no signal while a forked process
+    # (a DataLoader worker) holds a copy of the pipe, and a request it is
+    # working on is no longer wanted. A pure-compute child loses nothing.
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
