@@ -221,6 +221,9 @@ class BalancerConfig:
         keys = self.calibration_keys
         if keys is not None and (not isinstance(keys, tuple) or not keys or not all(isinstance(k, str) for k in keys)):
             raise ValueError(f"{me}: calibration_keys={keys!r}, expected None or a non-empty tuple of str")
+        if keys is not None and not self.online_calibration:
+            raise ValueError(f"{me}: calibration_keys={keys!r} name the features online calibration measures "
+                             "L from; they need online_calibration=True")
         if self.capacity is not None and not is_int(self.capacity, 1):
             raise ValueError(f"{me}: capacity={self.capacity!r}, expected None or an int >= batch_size")
         check_token_cap(me, self.token_cap, default_partition=self.partition == "balanced",

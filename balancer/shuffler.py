@@ -256,6 +256,11 @@ class BatchShuffler(ShufflerBase):
         if keys is not None and (not isinstance(keys, tuple) or not keys or not all(isinstance(k, str) for k in keys)):
             raise ValueError(f"{me}: calibration_keys={calibration_keys!r}, expected None or a non-empty "
                              "sequence of str")
+        if keys is not None and not calibrate:
+            # They were checked against the batch's keys on every multi-rank shuffle all
+            # the same, while one rank never checked them: refused here, at any W.
+            raise ValueError(f"{me}: calibration_keys={keys!r} name the features online calibration measures "
+                             "L from; they need calibrate=True")
         self.calibration_keys = keys
         self._config = {"comm": comm, "locality": str(locality), "partition": identity(partition),
                         "workload_fn": identity(workload_fn), "capacity": str(capacity),
@@ -421,6 +426,7 @@ class BatchShuffler(ShufflerBase):
             if outcome.exchange is not None or outcome.join:
                 groups = self._groups_for(group)
                 target = groups.phase2_group(batch.device)
+                t_phase2 = perf_counter()
                 try:
                     if outcome.exchange is None:
                         collective_s = _comm.take_part(batch.device, w, target)
@@ -431,7 +437,7 @@ class BatchShuffler(ShufflerBase):
                 except RuntimeError as e:
                     if target is groups.user:
                         raise
-                    self._abort(e, groups, handle.seq, "phase 2")
+                    self._abort(e, groups, handle.seq, "phase 2", perf_counter() - t_phase2)
         stats = dataclasses.replace(outcome.stats, phase1_s=handle.phase1_s, phase2_s=perf_counter() - t0,
                                     wait_s=wait_s, collective_s=collective_s)
         self._done(handle, stats)
@@ -484,7 +490,7 @@ class BatchShuffler(ShufflerBase):
             kwargs: dict[str, Any] = dict(
                 rows=rows, layout=meta.layout.plan_layout(), seq=meta.seq, rank=me, comm=self.comm,
                 locality=self.locality, capacity=self.capacity, cost_model=self._calibration.model(key),
-                length_rows=self._length_rows(meta.layout), token_cap=self.token_cap)
+                length_rows=self._length_rows(meta.layout) if self.calibrate else None, token_cap=self.token_cap)
             if self.executor == "process":
                 step = self._planned(kwargs)
             else:
@@ -582,17 +588,28 @@ class BatchShuffler(ShufflerBase):
             return plan_step(**kwargs)
 
     def _collective(self, groups: ShuffleGroups, seq: int, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = perf_counter()
         try:
             return fn(*args)
         except RuntimeError as e:  # gloo timeouts and lost peers raise (DistBackendError is one)
-            self._abort(e, groups, seq, phase)
+            self._abort(e, groups, seq, phase, perf_counter() - t0)
 
-    def _abort(self, cause: BaseException, groups: ShuffleGroups, seq: int, phase: str) -> None:
+    def _abort(self, cause: BaseException, groups: ShuffleGroups, seq: int, phase: str,
+               waited: float | None = None) -> None:
+        """Raise the :class:`ShuffleAbortedError` of a failed collective (``waited``: seconds
+        in it), naming the ranks that never reported (see :func:`_comm.missing_ranks`)."""
         grace = min(5.0, self.timeout / 2)
-        missing = _comm.missing_ranks(groups, seq, phase, grace)
+        found = _comm.missing_ranks(groups, seq, phase, grace)
+        missing = found.ranks
         if missing:
             who = (f"rank(s) {missing} did not take part within the shuffler's timeout of "
                    f"{self.timeout:g} s (stalled, dead, or not calling the shuffler in step with the others)")
+        elif missing == [] and found.others_first and waited is not None and waited < self.timeout / 2:
+            # Its collective failed fast, and every peer had reported a failure already:
+            # they timed out waiting for this rank (it was told "every rank reached it").
+            who = (f"the other ranks had given up on it before this rank got there: this rank most likely "
+                   f"reached it after their timeout of {self.timeout:g} s (stalled before it; their errors "
+                   f"name it); the collective failed: {cause}")
         elif missing == []:
             who = f"every rank reached it, but the collective failed: {cause}"
         else:
@@ -655,8 +672,12 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
-                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
-                if missing == []:
+                found = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
+                missing = found.ranks
+                if missing == [] and found.others_first:
+                    why = ("the other ranks had given up before this rank got there: this rank most likely "
+                           "started its first shuffle after their timeout (their errors name it)")
+                elif missing == []:
                     why = "every rank reached its first shuffle, but the groups could not be created"
                 else:
                     who = f"rank(s) {missing}" if missing else "a rank"

@@ -179,6 +179,15 @@ def test_calibration_keys_are_checked() -> None:
     # An iterator is read once: the check must not consume it (it once left no keys).
     it = BatchShuffler(token_count, calibrate=True, calibration_keys=iter(["a", "b"]))
     assert it.calibration_keys == ("a", "b") and it._config["calibration_keys"] == "('a', 'b')"
+    # Without calibration they were accepted, then failed every multi-rank shuffle
+    # (and never a single-rank one): refused at construction.
+    with pytest.raises(ValueError, match=r"BatchShuffler: calibration_keys=\('a',\) name the features online "
+                                         r"calibration measures L from; they need calibrate=True"):
+        BatchShuffler(token_count, calibration_keys=["a"])
+    from balancer.config import BalancerConfig
+    with pytest.raises(ValueError, match=r"calibration_keys=\('a',\) .*need online_calibration=True"):
+        BalancerConfig(calibration_keys=("a",))
+    assert BalancerConfig(online_calibration=True, calibration_keys=("a",)).calibration_keys == ("a",)
     s = BatchShuffler(token_count, calibrate=True, calibration_keys=["a", "nope"])
     from balancer._layout import wire_layout
 

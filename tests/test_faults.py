@@ -278,6 +278,32 @@ def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> No
         assert outs[1][0] == "ShuffleAbortedError" and outs[1][3] == ("phase 1", [0]), outs[1]
 
 
+def _late_worker(rank: int, w: int) -> tuple[str, str, Any]:
+    s = BatchShuffler(token_count, timeout=TIMEOUT)
+    s.shuffle(make_batch(rank, 8, 8, seed=2))
+    batch = make_batch(rank, 8, 8, seed=3)
+    if rank == 1:
+        time.sleep(TIMEOUT + 3)  # gets there after rank 0 gave up
+    try:
+        s.shuffle(batch)
+        return "ok", "", None
+    except ShuffleAbortedError as e:
+        if rank == 0:
+            time.sleep(TIMEOUT + 3)  # hosts the store: stay up while rank 1 looks
+        return type(e).__name__, str(e), e.missing
+
+
+def test_the_late_rank_is_told_it_came_late() -> None:
+    # The rank that stalled was told "every rank reached it, but the collective
+    # failed: Connection closed by peer", pointing away from itself.
+    outs = run_workers(_late_worker, 2, timeout=90)
+    assert outs[0][0] == "ShuffleAbortedError" and outs[0][2] == [1], outs[0]
+    kind, msg, missing = outs[1]
+    assert kind == "ShuffleAbortedError" and missing == [], outs[1]
+    assert "the other ranks had given up on it before this rank got there: this rank most likely reached it " \
+        f"after their timeout of {TIMEOUT:g} s" in msg, msg
+
+
 # ----------------------------------------------------------- workload scale
 def _scale_worker(rank: int, w: int) -> list[tuple[Any, ...]]:
     out = []

@@ -1361,6 +1361,15 @@ def test_token_cap_errors() -> None:
         balanced_partition(x, 8, tokens=np.ones(8))
     with pytest.raises(ValueError, match=r"tokens\[0\] = -1.0, expected >= 0"):
         balanced_partition(x, 8, tokens=np.r_[-1, np.ones(255)])
+    # The cap in whole tokens was shown as if passed ("max_tokens=4" for 4.9)
+    with pytest.raises(ValueError, match=r"max_tokens=4 cannot be met: .* \(the max_tokens=4.9 passed, in whole "
+                                         r"tokens\)$"):
+        balanced_partition([1, 2, 3, 4, 5, 6], 2, tokens=[5, 5, 5, 1, 1, 1], max_tokens=4.9)
+    # Arguments that were ignored without a word
+    with pytest.raises(ValueError, match=r"max_tokens=1 caps the tokens per part; pass tokens"):
+        balanced_partition([1, 2, 3, 4], 2, max_tokens=1)
+    with pytest.raises(ValueError, match=r"sizes \(bytes per sample\) weigh what localize moves; pass home"):
+        balanced_partition([1, 2, 3, 4], 2, sizes=[1, 1, 1, 1])
 
 
 def test_token_cap_on_tiny_inputs_is_met_whenever_some_partition_meets_it() -> None:

@@ -10,7 +10,9 @@ building ``W`` Python lists costs more than the partition at scale), and
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -100,6 +102,9 @@ def _localized(workloads: Any, num_parts: int, home: Any = None, sizes: Any = No
                max_tokens: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`localized_rows` and the ascending order of the workloads the partition sorted
     (``None`` where it sorted none)."""
+    if home is None and sizes is not None:  # once ignored without a word
+        raise ValueError("sizes (bytes per sample) weigh what localize moves; pass home (each "
+                         "sample's current part) with them")
     rows, order = _partition(workloads, num_parts, rtol=rtol, deadline_ms=deadline_ms,
                              tokens=tokens, max_tokens=max_tokens)
     if home is not None:
@@ -114,6 +119,20 @@ def _localized(workloads: Any, num_parts: int, home: Any = None, sizes: Any = No
                 local = rows[np.argsort(assign_parts(rows, h, s), kind="stable")]
         rows = local
     return rows, order
+
+
+@contextlib.contextmanager
+def _cap_shown(t: np.ndarray, w: int, max_tokens: float | None) -> Iterator[None]:
+    """Errors about the cap name it in whole tokens (``max_tokens=4`` for 4.9): add the
+    value the caller passed where the two differ."""
+    try:
+        yield
+    except ValueError as e:
+        if max_tokens is not None and e.args and isinstance(e.args[0], str):
+            cap = token_cap(t, w, max_tokens)
+            if cap != max_tokens:
+                e.args = (f"{e.args[0]} (the max_tokens={max_tokens!r} passed, in whole tokens)", *e.args[1:])
+        raise
 
 
 def partition_rows(workloads: Any, num_parts: int, *, rtol: float = 1e-5,
@@ -144,15 +163,20 @@ def _partition(workloads: Any, num_parts: int, *, rtol: float = 1e-5, deadline_m
     t = None if tokens is None else as_workloads(tokens, num_parts, "tokens")
     if t is not None and t.size != n:
         raise ValueError(f"tokens has {t.size} entries, expected {n} (one per workload)")
+    if t is None and max_tokens is not None:  # once ignored without a word
+        raise ValueError(f"max_tokens={max_tokens!r} caps the tokens per part; pass tokens (one count "
+                         "per workload) with it")
     if b <= 1 or w == 1:
         rows = np.arange(n, dtype=np.int64).reshape(w, b)
         if t is not None:
-            check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
+            with _cap_shown(t, w, max_tokens):
+                check_tokens_met(t, rows, token_cap(t, w, max_tokens), w, None)
         return rows, None
     stop_at = None if deadline_ms is None else start + deadline_ms / 1e3
     sol = solve(x, w, rtol, stop_at)
     if t is not None:
-        sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens, stop_at)
+        with _cap_shown(t, w, max_tokens):
+            sol.rows = apply_token_cap(sol, t, w, rtol, max_tokens, stop_at)
     _check_every_item_once(sol.rows, n)
     return _ascending_rows(sol.order, sol.rows), sol.order
 
