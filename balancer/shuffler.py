@@ -601,7 +601,13 @@ class BatchShuffler(ShufflerBase):
         grace = min(5.0, self.timeout / 2)
         found = _comm.missing_ranks(groups, seq, phase, grace)
         missing = found.ranks
-        if missing:
+        if missing and waited is not None and waited < self.timeout / 2:
+            # Not a timeout: the connection failed early (the peer died or left), and
+            # "within the timeout of 300 s" after 0.6 s misled.
+            who = (f"rank(s) {missing} did not take part: the collective failed after {waited:.1f} s, "
+                   f"before the shuffler's timeout of {self.timeout:g} s (dead, or gone from the group: "
+                   f"{cause})")
+        elif missing:
             who = (f"rank(s) {missing} did not take part within the shuffler's timeout of "
                    f"{self.timeout:g} s (stalled, dead, or not calling the shuffler in step with the others)")
         elif missing == [] and found.others_first and waited is not None and waited < self.timeout / 2:

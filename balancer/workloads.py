@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from balancer._ints import as_count
 from balancer._limits import MAX_COST
 from balancer._quadratic import _names, _positive_int, _Quadratic, sequence_lengths
 from balancer.batch import BaseBatch
@@ -296,10 +297,15 @@ def fit_polynomial(
         ValueError: invalid inputs, fewer than ``degree + 1`` distinct lengths,
             or coefficients that overflow float64 at this ``scale``.
     """
-    lx = np.asarray(lengths, dtype=np.float64).reshape(-1)
-    ty = np.asarray(times, dtype=np.float64).reshape(-1)
-    if degree not in (0, 1, 2):
+    lx = np.asarray(lengths, dtype=np.float64)
+    ty = np.asarray(times, dtype=np.float64)
+    if lx.ndim != 1 or ty.ndim != 1:  # a 2-D array was flattened without a word
+        raise ValueError(f"lengths has shape {lx.shape} and times {ty.shape}, expected 1-D [N] each")
+    if isinstance(degree, bool) or degree not in (0, 1, 2):  # True fitted degree 1
         raise ValueError(f"degree={degree!r}, expected 0, 1 or 2")
+    for name, flag in (("nonneg", nonneg), ("relative", relative)):
+        if not isinstance(flag, bool):  # "no" was truthy
+            raise ValueError(f"{name}={flag!r}, expected a bool")
     if lx.shape != ty.shape:
         raise ValueError(f"lengths has {lx.size} entries and times {ty.size}, expected equal")
     if not (np.isfinite(lx).all() and np.isfinite(ty).all() and (lx >= 0).all() and (ty >= 0).all()):
@@ -356,8 +362,12 @@ def measure_times(
     ``measure_fn`` must finish its work before returning (on CUDA: call
     ``torch.cuda.synchronize()``), or the time is only the launch overhead.
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats={repeats}, warmup={warmup}, expected repeats >= 1, warmup >= 0")
+    reps, warm = as_count(repeats), as_count(warmup)
+    if reps is None or reps < 1 or warm is None or warm < 0:  # 2.5 raised a bare TypeError from range()
+        raise ValueError(f"repeats={repeats!r}, warmup={warmup!r}, expected ints, repeats >= 1, warmup >= 0")
+    repeats, warmup = reps, warm
+    if not len(lengths):
+        raise ValueError("lengths is empty, expected at least one length to time")
     out = []
     for length in lengths:
         for _ in range(warmup):

@@ -10,7 +10,9 @@ usable -- no hang, no abort.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -302,6 +304,30 @@ def test_the_late_rank_is_told_it_came_late() -> None:
     assert kind == "ShuffleAbortedError" and missing == [], outs[1]
     assert "the other ranks had given up on it before this rank got there: this rank most likely reached it " \
         f"after their timeout of {TIMEOUT:g} s" in msg, msg
+
+
+def _dead_peer_worker(rank: int, w: int) -> tuple[str, str, Any, float]:
+    s = BatchShuffler(token_count, timeout=60.0)
+    s.shuffle(make_batch(rank, 8, 8, seed=2))
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)  # dies between shuffles
+    t0 = time.perf_counter()
+    try:
+        s.shuffle(make_batch(rank, 8, 8, seed=3))
+        return "ok", "", None, 0.0
+    except ShuffleAbortedError as e:
+        return type(e).__name__, str(e), e.missing, time.perf_counter() - t0
+
+
+def test_a_dead_peer_is_not_reported_as_a_timeout() -> None:
+    # Raised within seconds, the error said the peer "did not take part within the
+    # shuffler's timeout of 60 s".
+    outs = run_workers_outcomes(_dead_peer_worker, 2, timeout=90)
+    kind, msg, missing, took = outs[0]
+    assert kind == "ShuffleAbortedError" and missing == [1] and took < 30, outs[0]
+    assert re.search(r"rank\(s\) \[1\] did not take part: the collective failed after \d+\.\d s, before the "
+                     r"shuffler's timeout of 60 s \(dead, or gone from the group: ", msg), msg
 
 
 # ----------------------------------------------------------- workload scale

@@ -1037,8 +1037,11 @@ def test_deadline_returns_a_valid_partition_no_worse_than_the_start() -> None:
     rushed = balanced_partition(x, 64, rtol=0.0, deadline_ms=1e-6)  # refinement skipped
     _check_parts(rushed, x.size, 64)
     assert _max_load(x, full) <= _max_load(x, rushed) <= _max_load(x, greedy(x, 64)) * 1.001
-    with pytest.raises(ValueError, match=r"deadline_ms=0, expected > 0 or None"):
+    with pytest.raises(ValueError, match=r"deadline_ms=0, expected a number > 0 or None"):
         balanced_partition(x, 64, deadline_ms=0)
+    for bad in (True, "5"):  # True was 1 ms; "5" raised a bare TypeError
+        with pytest.raises(ValueError, match=rf"deadline_ms={bad!r}, expected a number > 0 or None"):
+            balanced_partition(x, 64, deadline_ms=bad)
     with pytest.raises(ValueError, match=r"rtol=-1, expected a finite number >= 0"):
         balanced_partition(x, 64, rtol=-1)
 

@@ -311,6 +311,13 @@ def test_fit_degree_and_input_validation() -> None:
         fit_polynomial([1, 2, 3], [1.0, 2.0])
     with pytest.raises(ValueError, match="degree"):
         fit_polynomial([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0], degree=3)
+    # Accepted before: True fitted degree 1, "no" was a truthy nonneg, 2-D input was flattened
+    with pytest.raises(ValueError, match=r"degree=True, expected 0, 1 or 2"):
+        fit_polynomial([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0], degree=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"nonneg='no', expected a bool"):
+        fit_polynomial([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0], nonneg="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"lengths has shape \(2, 2\) and times \(2, 2\), expected 1-D"):
+        fit_polynomial([[1, 2], [3, 4]], [[1.0, 2.0], [3.0, 4.0]])
 
 
 class FakeClock:
@@ -367,6 +374,12 @@ def test_measure_times_median() -> None:
     )
     with pytest.raises(ValueError, match="repeats"):
         measure_times(clock.work, [1], repeats=0)
+    with pytest.raises(ValueError, match=r"repeats=2.5, warmup=1, expected ints"):  # a bare TypeError before
+        measure_times(clock.work, [1], repeats=2.5)  # type: ignore[arg-type]
+    assert len(measure_times(clock.work, [1], repeats=np.int64(2))) == 1
+    # "every measured time is 0 (0 lengths): the clock did not advance" before
+    with pytest.raises(ValueError, match=r"lengths is empty, expected at least one length to time"):
+        calibrate(clock.work, [], ["item"], clock=clock)
 
 
 @pytest.mark.cuda

@@ -155,8 +155,10 @@ def _partition(workloads: Any, num_parts: int, *, rtol: float = 1e-5, deadline_m
     x = as_workloads(workloads, num_parts)
     if not (isinstance(rtol, (int, float)) and 0 <= rtol < float("inf")):
         raise ValueError(f"rtol={rtol!r}, expected a finite number >= 0")
-    if deadline_ms is not None and not deadline_ms > 0:
-        raise ValueError(f"deadline_ms={deadline_ms}, expected > 0 or None")
+    if deadline_ms is not None and (isinstance(deadline_ms, (bool, np.bool_))
+                                    or not isinstance(deadline_ms, (int, float, np.integer, np.floating))
+                                    or not deadline_ms > 0):  # True passed as 1 ms, "5" raised TypeError
+        raise ValueError(f"deadline_ms={deadline_ms!r}, expected a number > 0 or None")
     start = time.perf_counter()
     n, w = x.size, num_parts
     b = n // w
