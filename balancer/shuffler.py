@@ -412,10 +412,12 @@ class BatchShuffler(ShufflerBase):
             try:
                 outcome = self._wait(handle, self.timeout + 60.0)
             except BaseException as e:
-                if not isinstance(e, Exception) and handle._job is not None and not handle._job.done():
-                    # Interrupted while waiting (Ctrl-C): no byte of phase 2 has moved,
-                    # so the same call can finish the handle (it was used up, and the
-                    # peers then waited in phase 2 until the timeout).
+                job = handle._job
+                from_job = job is not None and job.done() and not job.cancelled() and job.exception(0) is e
+                if not isinstance(e, Exception) and not from_job:
+                    # Interrupted while waiting (Ctrl-C), not the job's own error: no byte
+                    # of phase 2 has moved, so the same call can finish the handle (it was
+                    # used up, and the peers then waited in phase 2 until the timeout).
                     self._unclaim(handle)
                 raise
             wait_s = perf_counter() - t_wait

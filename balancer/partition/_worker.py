@@ -222,7 +222,7 @@ class PartitionWorker:
         self._lock = threading.Lock()
         self._pending: collections.deque[PartitionHandle] = collections.deque()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop, self._proc)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._lock)
 
     def __call__(self, workloads: Any, num_parts: int, home: Any = None,
                  sizes: Any = None) -> list[list[int]]:
@@ -324,12 +324,20 @@ class PartitionWorker:
         self._finalizer()
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[bytes], lock: threading.Lock) -> None:
     # Killed, not asked: closing its stdin is no signal while a forked process
     # (a DataLoader worker) holds a copy of the pipe, and a request it is
     # working on is no longer wanted. A pure-compute child loses nothing.
     proc.kill()
     proc.wait()
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            pipe.close()
+    # The pipes are closed here unless a thread is reading (it holds the lock and
+    # gets end-of-file now): closed under it, the descriptor could be reused by
+    # another file before that thread's next read. Otherwise the Popen object's
+    # files close when it is collected.
+    if lock.acquire(blocking=False):
+        try:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        finally:
+            lock.release()
