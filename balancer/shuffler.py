@@ -394,6 +394,9 @@ class BatchShuffler(ShufflerBase):
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase2 ##"):
             group, w, rank = _comm.resolve_group(pg)
+            if handle.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(f"finish_shuffle: the process group was destroyed while shuffle #{handle.seq} "
+                                   f"(W={handle.world_size}) was in flight; finish or close the shuffler first")
             if (w, rank) != (handle.world_size, handle.rank):
                 raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
                                  f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")

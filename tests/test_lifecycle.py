@@ -250,3 +250,25 @@ def test_pipeline_close_after_a_peer_left_stops_the_shuffler_without_raising() -
     outs = run_workers(_pipeline_close_worker, 2, timeout=180)
     failed, closed, no_child = outs[0]
     assert failed and closed and no_child, outs
+
+
+def _destroyed_worker(rank: int, w: int) -> str:
+    s = BatchShuffler(token_count, timeout=3.0)
+    s.shuffle(make_batch(rank, 8, 8, seed=2))
+    batch = make_batch(rank, 8, 8, seed=3)
+    h = s.start_shuffle_async(batch)
+    dist.destroy_process_group()
+    try:
+        s.finish_shuffle(batch, h)
+        return "finished"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        s.close()
+
+
+def test_finishing_after_the_process_group_was_destroyed_says_so() -> None:
+    # It said "finish_shuffle: group has W=1, rank 0; handle #1 was started with W=2".
+    outs = run_workers(_destroyed_worker, 2, timeout=120)
+    assert outs == ["finish_shuffle: the process group was destroyed while shuffle #1 (W=2) was in flight; "
+                    "finish or close the shuffler first"] * 2, outs
