@@ -225,33 +225,18 @@ def all_gather_objects(obj: Any, groups: ShuffleGroups) -> list[Any]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Missing:
-    """Who did not take part in a failed collective, as the store tells it."""
-
-    ranks: list[int] | None
-    """Ranks (within the group) that never reported; ``None``: the store could not be read."""
-    others_first: bool = False
-    """Every other rank had reported its failure at least ``_LATE_S`` before this one
-    did: the others gave up first, so this rank most likely reached the collective after
-    their timeout (ranks that fail together report within milliseconds)."""
-
-
-_LATE_S = 1.0
-
-
-def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> Missing:
-    """Ranks (within the group) that did not reach ``phase`` of shuffle ``seq``.
+def missing_ranks(groups: ShuffleGroups, seq: int, phase: str, grace: float) -> list[int] | None:
+    """Ranks (within the group) that did not report a failure of ``phase`` of shuffle ``seq``.
 
     Called by every rank whose collective failed: each writes its key, then
     waits up to ``grace`` seconds for the others'. A rank that is stalled or
-    dead never writes; a rank that came late finds every other key written.
+    dead never writes; ``None`` if the store cannot be reached.
     """
     names = [str(r) for r in range(groups.world_size)]
     return _absent(f"balancer/{groups.name}/failed/{seq}/{phase}/", names[groups.rank], names, grace)
 
 
-def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> Missing:
+def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> list[int] | None:
     """Ranks (within the group of global ``ranks``) that did not reach the setup ``attempt``
     (the same text on every rank: which shuffler, which shuffle) of a shuffler's groups, as
     :func:`missing_ranks` tells them."""
@@ -259,26 +244,22 @@ def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> Missing:
     return _absent(f"balancer/setup/{','.join(names)}/{attempt}/", str(dist.get_rank()), names, grace)
 
 
-def _absent(prefix: str, mine: str, names: list[str], grace: float) -> Missing:
+def _absent(prefix: str, mine: str, names: list[str], grace: float) -> list[int] | None:
     """Write ``prefix + mine`` to the default store, then wait up to ``grace`` seconds for
-    ``prefix + name`` of every name: the indices of the names still absent, and whether all
-    the others were there before ``mine`` was written."""
+    ``prefix + name`` of every name; the indices of the names still absent (``None`` if the
+    store cannot be reached)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        now = time.time()  # wall clocks: the ranks' reports are compared across hosts
-        others = [prefix + n for n in names if n != mine]
-        others_first = bool(others) and all(
-            store.check([k]) and float(store.get(k).decode()) < now - _LATE_S for k in others)
-        store.set(prefix + mine, f"{now:.3f}")
+        store.set(prefix + mine, "1")
         deadline = time.monotonic() + grace
         while True:
             present = [i for i, n in enumerate(names) if store.check([prefix + n])]
             if len(present) == len(names) or time.monotonic() > deadline:
-                return Missing(sorted(set(range(len(names))) - set(present)), others_first)
+                return sorted(set(range(len(names))) - set(present))
             time.sleep(0.05)
     except Exception as e:  # noqa: BLE001 - diagnosis only; the caller still raises
         logger.warning("balancer: could not read which ranks are missing: %s", e)
-        return Missing(None)
+        return None
 
 
 # ------------------------------------------------------------------ phase 2

@@ -118,9 +118,12 @@ class BackgroundThread:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._shut = False
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._shut:  # (a job queued now would never run)
+            raise RuntimeError("the background thread was shut down")
         future: Future[Any] = Future()
         self._jobs.put((future, fn, args))
         return future
@@ -145,6 +148,7 @@ class BackgroundThread:
         """Cancel the queued jobs, let the thread end after the running one, and wait
         for that up to ``grace`` seconds (a job blocked in a collective ends with its
         timeout; the daemon thread never holds up the process's exit)."""
+        self._shut = True
         while True:
             try:
                 job = self._jobs.get_nowait()

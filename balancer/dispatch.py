@@ -258,9 +258,9 @@ def plan_dispatch(
     Raises:
         ValueError: as :func:`~balancer.microbatch.plan_micro_batches`; N
             (or the group count) not divisible by ``world_size`` with
-            ``equal_count`` (not ``padded``); fewer units than ranks; ``padded`` with
-            ``equal_count=False``; or too few units per rank for ``k``
-            micro-batches.
+            ``equal_count`` (not ``padded``); fewer units than ranks; or ``padded``
+            with ``equal_count=False``. (A share with fewer units than ``k`` gets
+            one a micro-batch and empty micro-batches for the rest, padded or not.)
     """
     where = _WHERE
     check_positive("world_size", world_size, where)

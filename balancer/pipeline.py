@@ -295,11 +295,18 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
     def _finish_shuffles(self, until: int | None = None) -> None:
         """Run phase 2 of pending shuffles, oldest first (the shuffler's order)."""
         while self._pending and (until is None or self._pending[0].index <= until):
-            p = self._pending.popleft()
+            p = self._pending[0]
             with record_function(f"## balancer.pipeline.finish_shuffle {p.index} ##"):
                 self._fence_before_exchange()
                 with _stream_ctx(self._memcpy_stream):
-                    shuffled = self._shuffler.finish_shuffle(p.batch, p.handle, pg=self._shuffle_pg)
+                    try:
+                        shuffled = self._shuffler.finish_shuffle(p.batch, p.handle, pg=self._shuffle_pg)
+                    except Exception:
+                        self._pending.popleft()  # used up: the next call moves on
+                        raise
+                    # (an interrupt leaves it pending: the shuffler keeps the handle, and
+                    # the next call finishes it)
+                self._pending.popleft()
                 self._fence_after_exchange()
                 # The shuffled tensors were allocated on the memcpy stream but are
                 # read by the data-dist stream (input dist) and the default stream

@@ -579,14 +579,15 @@ class BatchShuffler(ShufflerBase):
     def _planned(self, kwargs: dict[str, Any]) -> Step:
         """The step from the planner process; if it died (killed, out of memory),
         the same :func:`plan_step` here, which every other rank's planner also runs."""
+        closed = RuntimeError("BatchShuffler was closed while this shuffle was planned")
         child = self._child()
-        if child is None:  # closed meanwhile: the job finishes without a child
-            return plan_step(**kwargs)
+        if child is None:  # closed meanwhile: no plan (nobody reads it; planning here holds the GIL)
+            raise closed
         try:
             return child.submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
         except (EOFError, OSError, RuntimeError) as e:
             if self._closed:  # close() killed the child on purpose
-                return plan_step(**kwargs)
+                raise closed from None
             if isinstance(e, RuntimeError):  # the planner's own error, not its death
                 raise
             logger.warning("balancer: the planner process failed (%s); planning in-process", e)
@@ -604,25 +605,22 @@ class BatchShuffler(ShufflerBase):
         """Raise the :class:`ShuffleAbortedError` of a failed collective (``waited``: seconds
         in it), naming the ranks that never reported (see :func:`_comm.missing_ranks`)."""
         grace = min(5.0, self.timeout / 2)
-        found = _comm.missing_ranks(groups, seq, phase, grace)
-        missing = found.ranks
+        missing = _comm.missing_ranks(groups, seq, phase, grace)
         if missing and waited is not None and waited < self.timeout / 2:
-            # Not a timeout: the connection failed early (the peer died or left), and
-            # "within the timeout of 300 s" after 0.6 s misled.
-            who = (f"rank(s) {missing} did not take part: the collective failed after {waited:.1f} s, "
-                   f"before the shuffler's timeout of {self.timeout:g} s (dead, or gone from the group: "
-                   f"{cause})")
+            # Not a timeout: the collective failed early (a peer died or left, or this
+            # rank's own error), and "within the timeout of 300 s" after 0.6 s misled.
+            who = (f"the collective failed after {waited:.1f} s, before the shuffler's timeout of "
+                   f"{self.timeout:g} s ({cause}); rank(s) {missing} reported no failure of their own within "
+                   f"{grace:g} s (dead, gone from the group, or still waiting in the collective)")
         elif missing:
             who = (f"rank(s) {missing} did not take part within the shuffler's timeout of "
                    f"{self.timeout:g} s (stalled, dead, or not calling the shuffler in step with the others)")
-        elif missing == [] and found.others_first and waited is not None and waited < self.timeout / 2:
-            # Its collective failed fast, and every peer had reported a failure already:
-            # they timed out waiting for this rank (it was told "every rank reached it").
-            who = (f"the other ranks had given up on it before this rank got there: this rank most likely "
-                   f"reached it after their timeout of {self.timeout:g} s (stalled before it; their errors "
-                   f"name it); the collective failed: {cause}")
         elif missing == []:
-            who = f"every rank reached it, but the collective failed: {cause}"
+            # A rank that got there after its peers' timeout also lands here: it cannot
+            # tell that from a failure of the collective itself (a wall-clock guess
+            # misjudged ranks whose peer failed on its own), so it says both.
+            who = (f"every rank reported a failure of the collective: {cause} (if this rank got there after "
+                   f"the others' timeout of {self.timeout:g} s, their errors name it)")
         else:
             who = f"the collective failed and the missing ranks could not be determined: {cause}"
         err = ShuffleAbortedError(f"BatchShuffler: shuffle #{seq} aborted in {phase} on rank {groups.rank}: "
@@ -683,13 +681,10 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
-                found = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
-                missing = found.ranks
-                if missing == [] and found.others_first:
-                    why = ("the other ranks had given up before this rank got there: this rank most likely "
-                           "started its first shuffle after their timeout (their errors name it)")
-                elif missing == []:
-                    why = "every rank reached its first shuffle, but the groups could not be created"
+                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
+                if missing == []:
+                    why = ("every rank reported that the groups could not be created (if this rank started its "
+                           "first shuffle after the others' timeout, their errors name it)")
                 else:
                     who = f"rank(s) {missing}" if missing else "a rank"
                     why = (f"{who} never started its first shuffle (stalled, dead, or not calling the "

@@ -366,7 +366,8 @@ def measure_times(
     if reps is None or reps < 1 or warm is None or warm < 0:  # 2.5 raised a bare TypeError from range()
         raise ValueError(f"repeats={repeats!r}, warmup={warmup!r}, expected ints, repeats >= 1, warmup >= 0")
     repeats, warmup = reps, warm
-    if not len(lengths):
+    lengths = list(lengths)  # a generator is read once, here
+    if not lengths:
         raise ValueError("lengths is empty, expected at least one length to time")
     out = []
     for length in lengths:
@@ -402,6 +403,7 @@ def calibrate(
         ValueError: as :func:`measure_times` and :func:`fit_polynomial`, or every
             measured time is 0.
     """
+    lengths = list(lengths)  # read twice below: a generator would be empty the second time
     times = measure_times(measure_fn, lengths, repeats=repeats, warmup=warmup, clock=clock)
     if not any(t > 0 for t in times):
         # A cost of 0 for every sample would silently turn balancing off.

@@ -9,6 +9,7 @@ not outlive its parent. Every test here failed before the fix it names.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -16,9 +17,11 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -272,3 +275,39 @@ def test_finishing_after_the_process_group_was_destroyed_says_so() -> None:
     outs = run_workers(_destroyed_worker, 2, timeout=120)
     assert outs == ["finish_shuffle: the process group was destroyed while shuffle #1 (W=2) was in flight; "
                     "finish or close the shuffler first"] * 2, outs
+
+
+def test_the_pipeline_keeps_a_shuffle_pending_when_its_finish_is_interrupted() -> None:
+    # The pipeline dropped the pending shuffle before finish_shuffle returned: after
+    # Ctrl-C there the shuffler kept the handle (nothing of phase 2 ran) but the
+    # pipeline never finished it, and close() then logged an out-of-order error.
+    from balancer.pipeline import BalancedTrainPipelineSparseDist, _PendingShuffle
+
+    calls: list[Any] = []
+
+    class InterruptedOnce:
+        def finish_shuffle(self, batch: Any, handle: Any, pg: Any = None) -> Any:
+            calls.append(handle)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            if len(calls) == 3:
+                raise ValueError("bad input on rank 1")
+            return batch
+
+    batch, handle = make_batch(0, 4, 4, seed=0), types.SimpleNamespace(stats="stats")
+    replaced: list[int] = []
+    pipe = types.SimpleNamespace(
+        _pending=collections.deque([_PendingShuffle(7, batch, handle)]),  # type: ignore[arg-type]
+        _shuffler=InterruptedOnce(), _shuffle_pg=None, _memcpy_stream=None, _stats={},
+        _fence_before_exchange=lambda: None, _fence_after_exchange=lambda: None, _consumer_streams=list,
+        _replace_queued_batch=lambda index, b: replaced.append(index))
+    finish = BalancedTrainPipelineSparseDist._finish_shuffles
+    with pytest.raises(KeyboardInterrupt):
+        finish(pipe)  # type: ignore[arg-type]
+    assert len(pipe._pending) == 1 and not replaced  # still pending: the next call finishes it
+    finish(pipe)  # type: ignore[arg-type]
+    assert not pipe._pending and replaced == [7] and pipe._stats == {7: "stats"} and calls == [handle] * 2
+    pipe._pending.append(_PendingShuffle(8, batch, handle))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bad input"):  # an error uses the shuffle up
+        finish(pipe)  # type: ignore[arg-type]
+    assert not pipe._pending

@@ -156,4 +156,4 @@ def test_uneven_group_membership_is_explained_when_the_groups_cannot_meet() -> N
         assert "whose global ranks are [0, 2]); over a subgroup this also happens where its ranks hold " \
                "different numbers of process groups" in outs[r], outs[r]
         # Both reached the setup (the store says so): no peer is blamed.
-        assert "every rank reached its first shuffle, but the groups could not be created" in outs[r], outs[r]
+        assert "every rank reported that the groups could not be created" in outs[r], outs[r]

@@ -377,6 +377,9 @@ def test_measure_times_median() -> None:
     with pytest.raises(ValueError, match=r"repeats=2.5, warmup=1, expected ints"):  # a bare TypeError before
         measure_times(clock.work, [1], repeats=2.5)  # type: ignore[arg-type]
     assert len(measure_times(clock.work, [1], repeats=np.int64(2))) == 1
+    assert len(measure_times(clock.work, (n for n in (1, 2)), repeats=1)) == 2  # a generator, read once
+    cost = calibrate(clock.work, (n for n in (1, 32, 128)), ["item"], clock=clock)  # fitted on the same lengths
+    assert (cost.a, cost.b, cost.c) == pytest.approx((2.0, 100.0, 5000.0), rel=1e-6)
     # "every measured time is 0 (0 lengths): the clock did not advance" before
     with pytest.raises(ValueError, match=r"lengths is empty, expected at least one length to time"):
         calibrate(clock.work, [], ["item"], clock=clock)
