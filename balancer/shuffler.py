@@ -115,6 +115,9 @@ _TRUSTED = (balanced_partition, karmarkar_karp)
 # How long a rank whose group setup failed waits for its peers to say they got there too
 # (the ranks that never do are named in the error).
 _SETUP_GRACE_S = 5.0
+# ... and at least this long (after a timeout of 1e-4 s the ranks looked for each
+# other's reports for 50 us, and told different stories)
+_MIN_GRACE_S = 1.0
 _INSTANCES = itertools.count()
 
 
@@ -604,7 +607,7 @@ class BatchShuffler(ShufflerBase):
                waited: float | None = None) -> None:
         """Raise the :class:`ShuffleAbortedError` of a failed collective (``waited``: seconds
         in it), naming the ranks that never reported (see :func:`_comm.missing_ranks`)."""
-        grace = min(5.0, self.timeout / 2)
+        grace = min(5.0, max(self.timeout / 2, _MIN_GRACE_S))
         missing = _comm.missing_ranks(groups, seq, phase, grace)
         if missing and waited is not None and waited < self.timeout / 2:
             # Not a timeout: the collective failed early (a peer died or left, or this
@@ -681,7 +684,7 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
-                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(self.timeout, _SETUP_GRACE_S))
+                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(max(self.timeout, _MIN_GRACE_S), _SETUP_GRACE_S))
                 if missing == []:
                     why = ("every rank reported that the groups could not be created (if this rank started its "
                            "first shuffle after the others' timeout, their errors name it)")

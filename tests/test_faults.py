@@ -493,3 +493,4 @@ def test_randomised_faults_never_hang_or_abort() -> None:
         (msg,) = msgs
         assert f"[{bad}]" in msg or f"rank {bad}" in msg, (i, fault, bad, msg)
     assert all(res[-1][2] == "ok" for res in per_rank)  # the shared shuffler is still usable
+
