@@ -10,6 +10,7 @@ not outlive its parent. Every test here failed before the fix it names.
 from __future__ import annotations
 
 import collections
+import datetime
 import os
 import signal
 import subprocess
@@ -99,19 +100,21 @@ def test_close_returns_promptly_while_a_shuffle_waits_for_a_stalled_peer() -> No
 
 
 def _interrupt_worker(rank: int, w: int) -> tuple[str, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    s = BatchShuffler(token_count, timeout=30.0)
+    s = BatchShuffler(token_count, timeout=60.0)
     s.shuffle(make_batch(rank, 8, 8, seed=2))
     batch = make_batch(rank, 8, 8, seed=3)
-    if rank == 1:
-        time.sleep(2.0)  # late: rank 0 waits in finish_shuffle meanwhile
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # late: starts only once rank 0 was interrupted waiting for it
+        store.wait(["interrupted"], datetime.timedelta(seconds=60))
     h = s.start_shuffle_async(batch)
     first = "ok"
     if rank == 0:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             out = s.finish_shuffle(batch, h)
         except KeyboardInterrupt:
             first = "KeyboardInterrupt"
+            store.set("interrupted", "1")
             out = s.finish_shuffle(batch, h)  # the same call again finishes it
     else:
         out = s.finish_shuffle(batch, h)
