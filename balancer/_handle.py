@@ -9,11 +9,13 @@ thread on which every shuffle's background work runs in start order.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -103,6 +105,23 @@ class ShuffleHandle:
 _CLOSE_GRACE_S = 2.0
 
 
+# At interpreter exit a running background job gets this long (its collective's
+# peers run the same job; a process that exits inside a gloo collective is aborted
+# by C++). Not the whole timeout: a job waiting for a stalled peer must not hold
+# up the exit after an error.
+_EXIT_GRACE_S = 3.0
+_THREADS: weakref.WeakSet[BackgroundThread] = weakref.WeakSet()
+
+
+def _finish_jobs_at_exit() -> None:
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for thread in list(_THREADS):
+        thread.shutdown(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_finish_jobs_at_exit)
+
+
 class BackgroundThread:
     """One daemon thread that runs submitted jobs in order (``submit`` returns a
     :class:`~concurrent.futures.Future`), like a one-worker ``ThreadPoolExecutor``
@@ -120,6 +139,7 @@ class BackgroundThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._shut = False
         self._thread.start()
+        _THREADS.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._shut:  # (a job queued now would never run)

@@ -10,10 +10,13 @@ docstring for the policies.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,6 +92,30 @@ class Failed:
 _DONE = object()
 
 
+# At interpreter exit, producers get this long to finish the steps they have credit
+# for. A loop left early without close() let the process exit while the daemon
+# producer was inside a gloo collective: C++ aborted it ("terminate called without
+# an active exception", SIGABRT), and the scheduler saw the job fail. Its peers run
+# the same credited steps, so with healthy peers the wait is a step or two.
+_EXIT_WAIT_S = 30.0
+_RUNS: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+def _finish_runs_at_exit() -> None:
+    runs = list(_RUNS)
+    for run in runs:
+        run.stop()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for run in runs:
+        if run.thread is not None and run.thread.is_alive():
+            run.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+# Registered after the shuffler's own exit hook (this module imports it), so it runs
+# first: the producers' steps still have the shuffler's background thread.
+atexit.register(_finish_runs_at_exit)
+
+
 class Run:
     """One pass over the wrapped loader: the producer thread, its credits and queue.
 
@@ -108,6 +135,7 @@ class Run:
         self.thread: threading.Thread | None = None
         self.done = threading.Event()  # the producer has returned
         self.owed = 0  # grants to absorb: credits of interrupted next() calls already in use
+        _RUNS.add(self)
 
     def grant(self) -> None:
         with self.cond:

@@ -314,3 +314,44 @@ def test_the_pipeline_keeps_a_shuffle_pending_when_its_finish_is_interrupted() -
     with pytest.raises(ValueError, match="bad input"):  # an error uses the shuffle up
         finish(pipe)  # type: ignore[arg-type]
     assert not pipe._pending
+
+
+# A loop that leaves each epoch early and exits without close(), as a job stopping
+# at max_steps or on preemption does; the default executor (the planner process).
+_EARLY_EXIT = textwrap.dedent("""
+    import sys, time
+    import torch.distributed as dist
+    sys.path.insert(0, {root!r})
+    from balancer import BalancedLoader
+    from tests.test_loader import _SlowFrom, cost
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo")  # as under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    # rank 1 reads its later batches slowly: rank 0 exits while its producer waits
+    # in a credited shuffle's collective for rank 1's
+    loader = BalancedLoader(_SlowFrom(rank, [8], 2 if rank == 1 else 99), cost)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i == 1:
+                break
+    if rank == 1:
+        time.sleep(3)  # rank 0 exits first, its producer waiting for this one's
+    print("done", flush=True)
+""")
+
+
+def test_leaving_a_loader_loop_early_and_exiting_without_close_exits_cleanly() -> None:
+    # The daemon producer was still inside its credited shuffles' collectives when the
+    # interpreter exited: C++ aborted the process ("terminate called without an active
+    # exception", SIGABRT), 8 of 8 runs in the report, and the job counted as failed.
+    code = _EARLY_EXIT.format(root=ROOT)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port))
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and out == "done\n", (p.returncode, out, err[-2000:])
+        assert "terminate called" not in err
