@@ -109,7 +109,7 @@ def _interrupt_worker(rank: int, w: int) -> tuple[str, list[tuple[Any, ...]], li
     h = s.start_shuffle_async(batch)
     first = "ok"
     if rank == 0:
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         try:
             out = s.finish_shuffle(batch, h)
         except KeyboardInterrupt:

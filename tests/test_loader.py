@@ -747,7 +747,7 @@ def _ctrl_c_in_next(rank: int, world: int) -> dict[str, Any]:
             if consumed == 2:
                 if rank == 0:
                     raise KeyboardInterrupt
-                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+                threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
     except KeyboardInterrupt:
         pass
     t0 = time.perf_counter()
@@ -770,7 +770,7 @@ def _close_interrupted(rank: int, world: int) -> dict[str, Any]:
     loader = BalancedLoader(_SlowFrom(rank, [6], 1), cost, ahead=1, timeout=30.0, **FAST)
     it = iter(loader)
     next(it)  # the producer now reads the slow second batch
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
     try:
         loader.close()
         interrupted = False
@@ -869,7 +869,7 @@ def _interrupted_then_continued(rank: int, world: int) -> dict[str, Any]:
     it = iter(loader)
     got = [next(it), next(it)]
     if rank == 0:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         try:
             got.append(next(it))
         except KeyboardInterrupt:
