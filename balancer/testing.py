@@ -119,6 +119,9 @@ def _entry(
         # hang names where each rank waits instead of only that it did.
         _STACKS_FILE = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
         faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
+    # Ctrl-C raises KeyboardInterrupt in a rank, as in any Python process: a forkserver
+    # started while its parent ignored SIGINT hands that on to every rank it forks.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # One intra-op thread per rank: ranks share the machine's cores.
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
