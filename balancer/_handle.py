@@ -196,6 +196,8 @@ class ShufflerBase:
         self._broken: BaseException | None = None
         self._executor: BackgroundThread | None = None
         self._finalizer: weakref.finalize | None = None
+        # Done once close() was called: wakes a finish_shuffle waiting on another thread.
+        self._closing: Future[None] = Future()
 
     def shuffle(self, batch: BatchT, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
@@ -210,8 +212,11 @@ class ShufflerBase:
     def close(self) -> None:
         """Stop the background thread (queued work is cancelled; a running job gets a
         short grace, and one blocked in a collective for a stalled peer is left to
-        end with its timeout); later calls raise ``RuntimeError``. Idempotent."""
+        end with its timeout; a ``finish_shuffle`` waiting for it on another thread
+        raises ``RuntimeError`` at once); later calls raise ``RuntimeError``. Idempotent."""
         self._closed = True
+        if self._closing.set_running_or_notify_cancel():  # first close(): wake the waiters
+            self._closing.set_result(None)
         if self._executor is not None:
             self._executor.shutdown(_CLOSE_GRACE_S)
             self._executor = None
@@ -287,19 +292,42 @@ class ShufflerBase:
         return Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64), length=stay_length(meta))
 
     def _wait(self, handle: ShuffleHandle, limit: float | None) -> Outcome:
-        assert handle._job is not None, "only handles with background work are waited for"
+        """Wait for the background work of ``handle``, which the caller claimed.
+
+        Interrupted while waiting (Ctrl-C: no ``Exception``, and not the job's
+        own error), the claim is undone: no byte of phase 2 has moved, so the
+        same call can finish the handle. ``close()`` on another thread ends
+        the wait at once.
+        """
+        job = handle._job
+        assert job is not None, "only handles with background work are waited for"
         try:
-            return handle._job.result(timeout=limit)
+            return self._outcome(handle, job, limit)
+        except BaseException as e:
+            from_job = job.done() and not job.cancelled() and job.exception(0) is e
+            if not isinstance(e, Exception) and not from_job:
+                self._unclaim(handle)
+            raise
+
+    def _outcome(self, handle: ShuffleHandle, job: Future[Outcome], limit: float | None) -> Outcome:
+        waited: tuple[Future[Any], ...] = (job, self._closing)
+        concurrent.futures.wait(waited, timeout=limit,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        if not job.done():
+            if self._closing.done():
+                raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed while "
+                                   "finish_shuffle waited for its background work")
+            err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
+                               f"within {limit:.0f} s (the partition child or a collective is stuck)")
+            self._broken = err
+            raise err
+        try:
+            return job.result(0)
         except CancelledError:
             raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed") from None
         except ShuffleAbortedError as e:  # every later call: closed
             self._broken = self._broken or e
             raise
-        except concurrent.futures.TimeoutError:
-            err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
-                               f"within {limit:.0f} s (the partition child or a collective is stuck)")
-            self._broken = err
-            raise err from None
 
     def _done(self, handle: ShuffleHandle, stats: ShuffleStats) -> None:
         handle._state.stats = stats

@@ -415,17 +415,8 @@ class BatchShuffler(ShufflerBase):
             # caller that passed the wrong batch can retry with the right one.
             self._claim(handle)
             t_wait = perf_counter()
-            try:
-                outcome = self._wait(handle, self.timeout + 60.0)
-            except BaseException as e:
-                job = handle._job
-                from_job = job is not None and job.done() and not job.cancelled() and job.exception(0) is e
-                if not isinstance(e, Exception) and not from_job:
-                    # Interrupted while waiting (Ctrl-C), not the job's own error: no byte
-                    # of phase 2 has moved, so the same call can finish the handle (it was
-                    # used up, and the peers then waited in phase 2 until the timeout).
-                    self._unclaim(handle)
-                raise
+            # (interrupted while waiting, the handle can finish again: _wait)
+            outcome = self._wait(handle, self.timeout + 60.0)
             wait_s = perf_counter() - t_wait
             collective_s = 0.0
             out: Any = batch if self.capacity is None else _padded(batch, self.capacity)

@@ -78,25 +78,45 @@ def test_an_error_exits_the_process_while_a_shuffle_waits_for_a_stalled_peer() -
     assert rc == 1 and exited < 15, (rc, exited)  # was 60 s + 5 s of grace
 
 
-def _close_worker(rank: int, w: int) -> float:
+def _close_worker(rank: int, w: int) -> tuple[float, str, float]:
     s = BatchShuffler(token_count, timeout=60.0)
     s.shuffle(make_batch(rank, 8, 8, seed=2))
     if rank == 1:  # stalled: never starts the second shuffle
         time.sleep(6)
         s.close()
-        return 0.0
-    s.start_shuffle_async(make_batch(rank, 8, 8, seed=3))
-    time.sleep(0.5)  # the job now waits in phase 1 for rank 1
+        return 0.0, "", 0.0
+    batch = make_batch(rank, 8, 8, seed=3)
+    h = s.start_shuffle_async(batch)
+    waiter: dict[str, Any] = {}
+
+    def finish() -> None:  # another thread waits in finish_shuffle (a loader's producer, a watchdog's victim)
+        try:
+            s.finish_shuffle(batch, h)
+            waiter["error"] = "returned"
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            waiter["error"] = f"{type(e).__name__}: {e}"
+        waiter["at"] = time.perf_counter()
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    time.sleep(0.5)  # the job now waits in phase 1 for rank 1, and the thread for the job
     t0 = time.perf_counter()
     s.close()
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    thread.join(30)
+    return took, waiter.get("error", "still waiting"), waiter.get("at", float("inf")) - t0
 
 
 def test_close_returns_promptly_while_a_shuffle_waits_for_a_stalled_peer() -> None:
     # close() joined the background thread, which waited in the collective until
-    # the peer went away or the timeout ran out (42 s in the report).
-    took = run_workers(_close_worker, 2, timeout=120)[0]
+    # the peer went away or the timeout ran out (42 s in the report). A finish_shuffle
+    # waiting on another thread then waited for the job: until the peer left (here
+    # 6 s, then a ShuffleAbortedError) or the shuffler's timeout.
+    took, error, woke = run_workers(_close_worker, 2, timeout=120)[0]
     assert took < 4.0, took  # the grace for a running job is 2 s; the peer stalls for 6 s
+    assert error == ("RuntimeError: shuffle handle #1: the shuffler was closed while finish_shuffle waited "
+                     "for its background work"), error
+    assert woke < 1.0, woke  # woken by close() itself, before its grace for the job
 
 
 def _interrupt_worker(rank: int, w: int) -> tuple[str, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
