@@ -147,16 +147,19 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         model_fwd: Callable[[Any], Any] = self._model_fwd  # type: ignore[has-type]
 
         # Online calibration: the shuffler learns its cost model from the
-        # forward + backward time of every batch it balanced.
+        # forward + backward time of every batch it balanced in training mode
+        # (an evaluation pass, model.eval(), runs no backward: its times are not
+        # a training step's, and are not reported).
         self._timed = isinstance(shuffler, BatchShuffler) and shuffler.calibrate
         self._handles: dict[int, ShuffleHandle] = {}  # context index -> shuffle (timed only)
         self._spans: list[tuple[Any, Any]] = []
 
         def forward_then_finish(batch: Any) -> Any:
-            start = self._mark()
+            # (TorchRec's progress runs the backward only where the model is training)
+            training = self._timed and self._model.training
+            start = self._mark() if training else None
             out = model_fwd(batch)
-            if self._timed:
-                self._spans = [(start, self._mark())]
+            self._spans = [(start, self._mark())] if training else []
             self._finish_shuffles()
             return out
 
@@ -216,9 +219,9 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         )
 
     def _backward(self, losses: torch.Tensor) -> None:
-        start = self._mark()
+        start = self._mark() if self._spans else None
         super()._backward(losses)
-        if self._timed:
+        if self._spans:  # after a timed forward
             self._spans.append((start, self._mark()))
 
     def dequeue_batch(self) -> None:

@@ -422,7 +422,8 @@ def test_non_basebatch_is_rejected() -> None:
 
 
 def _timed_worker(rank: int, w: int, runner: str) -> list[float]:
-    """Seconds the pipeline reports for online calibration, with a backward slowed by 0.2 s."""
+    """Seconds the pipeline reports for online calibration, with a backward slowed by 0.2 s
+    (``-eval``: four training steps, then four with the model in eval mode)."""
     model, optimizer = build_model(parse_args(ARGS), torch.device("cpu"), dist.group.WORLD)
     shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), calibrate=True)
     reported: list[float] = []
@@ -439,21 +440,28 @@ def _timed_worker(rank: int, w: int, runner: str) -> list[float]:
         loss.register_hook(lambda g: (time.sleep(0.2), g)[1])  # runs inside the backward
         return loss, out
 
-    cls = _CPUPrefetch if runner == "prefetch" else BalancedTrainPipelineSparseDist
+    cls = _CPUPrefetch if runner.startswith("prefetch") else BalancedTrainPipelineSparseDist
     pipe = cls(model, optimizer, torch.device("cpu"), shuffler, custom_model_fwd=forward)
-    it = iter(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=4, max_seqlen=48, seed=3))
+    evaluate = runner.endswith("-eval")
+    it = iter(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=8 if evaluate else 4, max_seqlen=48, seed=3))
+    steps = 0
     with contextlib.suppress(StopIteration):
         while True:
+            if evaluate and steps == 4:
+                model.eval()  # TorchRec's progress then runs no backward and no optimizer step
             pipe.progress(it)
+            steps += 1
     pipe.close()
     return reported
 
 
-@pytest.mark.parametrize("runner", ["pipeline", pytest.param("prefetch", marks=needs_context_prefetch)])
+@pytest.mark.parametrize("runner", ["pipeline", "pipeline-eval", pytest.param("prefetch", marks=needs_context_prefetch)])
 def test_calibration_times_include_the_backward(runner: str) -> None:
     skip_without_tbe("the example's sharded model")
     # TorchRec's prefetch step runs the backward itself, not through _backward:
     # the prefetch pipeline once reported the forward alone (~5 ms, not >= 0.2 s).
+    # An evaluation pass through the pipeline (model.eval()) reported its forward
+    # times too, as if they were training steps, and biased the fit.
     for reported in run_workers(_timed_worker, 2, runner, timeout=300):
         assert len(reported) == 4 and min(reported) >= 0.2, reported
 
