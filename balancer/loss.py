@@ -115,7 +115,8 @@ def _normalise(
     out = (local_sum * scale / denom).reshape(())
     if rejected is not None:
         # On a device (no host read): a rank rejected its input. NaN times the loss makes the
-        # loss and every gradient NaN, so the step is visibly bad (and an AMP GradScaler skips it).
+        # loss and the gradients NaN (items of weight 0 keep a zero one), so the step is visibly
+        # bad (and an AMP GradScaler skips it).
         out = out * torch.where(rejected > 0, torch.full_like(out, float("nan")), torch.ones_like(out))
     return out
 

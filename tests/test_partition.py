@@ -394,6 +394,15 @@ def test_bound_is_tight_for_one_huge_item() -> None:
     assert _max_load(x, balanced_partition(x, 2)) == 103
 
 
+@pytest.mark.parametrize("parts", [np.int64(2), np.int32(2), np.uint8(2)])
+def test_a_numpy_integer_num_parts_keeps_the_integer_bound_exact(parts: Any) -> None:
+    # Once 4.999999999999982 and 10.999999999999941: the bound of integer workloads
+    # took the float path (lowered by 4 N eps) when W was a numpy integer.
+    assert lower_bound([1, 2, 3, 4], parts) == lower_bound([1, 2, 3, 4], 2) == 5.0
+    assert lower_bound([9, 1, 6, 3, 2, 0], parts) == 11.0
+    assert lower_bound([1, 2, 3, 4, 5], parts, equal_size=False) == 8.0
+
+
 # ------------------------------------------------------------ stats
 def test_partition_stats_and_imbalance() -> None:
     x = np.array([9, 1, 8, 2, 7, 3])

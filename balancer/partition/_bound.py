@@ -163,7 +163,7 @@ def bound_sorted(v: np.ndarray, num_parts: int, *, equal_size: bool = True, min_
         min_size, max_size: items per part, with ``equal_size=False``.
         prefix: optional :func:`prefix_sums` of ``v`` (computed if omitted).
     """
-    n, w = v.size, num_parts
+    n, w = v.size, int(num_parts)  # (a numpy integer W would turn the exact int bound into a float)
     if n == 0:
         return 0
     is_int = v.dtype.kind == "i"
