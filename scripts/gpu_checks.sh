@@ -6,7 +6,7 @@
 #
 # On a GPU machine, from the repository root:
 #   bash scripts/gpu_checks.sh [OUT_DIR]          # default: $OUT, else bench_out/gpu_checks
-# Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench bench_large suite example"
+# Steps to run (default all): GPU_CHECKS="env kernels cuda_tier bench_quick bench bench_large llm suite example"
 # The suite step: SUITE_MARK (marker expression, e.g. "not cuda" when cuda_tier runs beside it),
 # SUITE_WORKERS (pytest-xdist workers), SUITE_TEST_TIMEOUT (seconds per test, with pytest-timeout).
 #
@@ -51,7 +51,7 @@ if [ -f .gpu/site.tar.xz ]; then
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-all_steps="env kernels cuda_tier bench_quick bench bench_large suite example"
+all_steps="env kernels cuda_tier bench_quick bench bench_large llm suite example"
 steps=${GPU_CHECKS:-$all_steps}
 for s in $steps; do
   case " $all_steps " in *" $s "*) ;; *) echo "GPU_CHECKS: unknown step '$s', expected some of: $all_steps"; exit 2 ;; esac
@@ -114,6 +114,10 @@ if want bench_large; then
   run_step bench_large "$py" benchmarks/bench_gpu.py --device cuda --hidden 1024 --heads 8 --layers 4 \
     --max-len 8192 --world-sizes 8 16 --batch-sizes 32 --steps 12 --repeats 3 --noise-floor --no-shuffle \
     --json-out "$out/gpu_large.jsonl"
+fi
+if want llm; then
+  # LLM-style DP with gradient accumulation: verl's split and micro-batches against plan_dispatch.
+  run_step llm "$py" benchmarks/bench_gpu_llm.py --device cuda --json-out "$out/gpu_llm.jsonl"
 fi
 if want suite; then
   extra=()

@@ -115,3 +115,33 @@ def test_noise_floor_control_gives_every_rank_the_same_balanced_part() -> None:
     want = np.asarray(balanced_partition(costs["calib"], 4)[0])
     assert len(parts) == 4 and all(np.array_equal(p, want) for p in parts)
     assert len(bench_gpu.assign("same", {"flops": costs["flops"]}, 4, "flops")[0]) == 6
+
+
+LLM_MODES = ("off", "verl", "kk:flops", "balancer", "balancer:free")
+LLM_ROW = re.compile(r"^\| (\d+)x(\d+) \| (off|verl|kk:flops|balancer|balancer:free) \|(.*)\|$", re.M)
+
+
+def test_bench_gpu_llm_quick(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_llm.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu_llm.py"), "--quick", "--json-out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    tail = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, tail
+    rows = LLM_ROW.findall(proc.stdout)
+    assert sorted((int(w), m) for w, _, m, _ in rows) == sorted((w, m) for w in (2, 4) for m in LLM_MODES), tail
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["world"] for r in records] == [2, 4] and all(r["bench"] == "gpu_llm" for r in records)
+    for r in records:
+        assert r["env"]["device"] == "cpu" and r["attention"] == "loop"
+        assert len(r["steps"]) == 2
+        for s in r["steps"]:
+            for m in LLM_MODES:
+                assert len(s[m]["rank_s"]) == r["world"] and s[m]["step_s"] == max(s[m]["rank_s"]) > 0
+                assert s[m]["predicted"] >= 1.0 and s[m]["micro_batches"] >= 1
+            # verl's split and KK on the FLOPs cost are one algorithm: balancer's equal-count
+            # plan never predicts a worse straggler under the cost it balances
+            assert s["balancer"]["predicted"] <= s["kk:flops"]["predicted"] * (1 + 1e-9), s
+        for m in LLM_MODES:
+            assert r[m]["step_ms"] > 0 and r[m]["speedup"] > 0 and r[m]["vs_verl"] > 0
+        assert r["off"]["speedup"] == 1.0 and r["verl"]["vs_verl"] == 1.0
