@@ -129,6 +129,9 @@ class WireLayout:
     seq_lens_dtype: torch.dtype | None = None  # a TokenBatch's; None for a BaseBatch
     pad_multiple: int = 1
     token_pads: tuple[int | float | bool, ...] = ()  # a padded TokenBatch's pad value per token field
+    # A BaseBatch's rank-independent settings (contextual_feature_names, feature_to_max_seqlen),
+    # as described: every rank must hold the same, since samples travel without them.
+    settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_tokens(self) -> bool:
@@ -154,13 +157,15 @@ class WireLayout:
             return _describe_tokens(self.batch_class, self.batch_size, self.tokens, self.dense,
                                     self.seq_lens_dtype, not any(s.padded for s in self.sections if s.jagged),
                                     self.pad_multiple, self.token_pads)
-        return describe(self.batch_class, self.batch_size, self.kjts, self.dense)
+        return describe(self.batch_class, self.batch_size, self.kjts, self.dense, self.settings)
 
 
 def describe(batch_class: str, b: int, kjts: tuple[KJTSpec, ...] | list[KJTSpec],
-             dense: tuple[DenseSpec, ...] | list[DenseSpec]) -> dict[str, str]:
+             dense: tuple[DenseSpec, ...] | list[DenseSpec],
+             settings: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     out = {"batch class": batch_class, "batch_size": str(b),
-           "KJT fields": str([k.name for k in kjts]), "dense fields": str([d.name for d in dense])}
+           "KJT fields": str([k.name for k in kjts]), "dense fields": str([d.name for d in dense]),
+           **dict(settings)}
     for k in kjts:
         out[f"{k.name}.keys"] = str(list(k.keys))
         out[f"{k.name}.lengths dtype"] = str(k.lengths_dtype)
@@ -270,8 +275,12 @@ def wire_layout(batch: Any) -> WireLayout:
         sections.append(Section(name, "dense", t.dtype, _itemsize(t.dtype), -1, 1, _width(shape)))
     cls = f"{type(batch).__module__}.{type(batch).__qualname__}"
     b = int(batch.batch_size)
-    fp = fingerprint(describe(cls, b, kjts, dense))
-    return WireLayout(cls, b, tuple(kjts), tuple(dense), tuple(sections), row, fp)
+    # Settings that describe every sample alike and stay on their rank (a received sample
+    # takes the receiver's): they must agree (design.md: "must not depend on the rank").
+    settings = (("contextual_feature_names", repr(list(batch.contextual_feature_names))),
+                ("feature_to_max_seqlen", repr(dict(sorted(batch.feature_to_max_seqlen.items())))))
+    fp = fingerprint(describe(cls, b, kjts, dense, settings))
+    return WireLayout(cls, b, tuple(kjts), tuple(dense), tuple(sections), row, fp, settings=settings)
 
 
 def layout_problems(batch: Any, layout: WireLayout) -> list[str]:

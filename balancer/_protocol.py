@@ -298,8 +298,7 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
     # A bad length first: it is the cause where workload_fn turned it into a bad
     # workload (a negative seq_lens was reported as a negative workload).
     if meta.status & Status.BAD_LENGTHS:
-        _fail(meta, 0, f"a {'seq_lens' if meta.layout is not None and meta.layout.is_tokens else 'KJT'} length "
-              f"is negative or >= 2**31 (rank {r})")
+        _fail(meta, 0, f"{_bad_length(meta.layout, lengths)}, expected 0 <= length < 2**31 (rank {r})")
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")
     if meta.status & Status.NONFINITE:
@@ -323,8 +322,21 @@ def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: floa
         expected = int(lengths[s.row : s.row + s.count].sum()) * s.width
         if got != expected:
             what = "sum(seq_lens)" if s.part == "tokens" else "sum(lengths)"
-            _fail(meta, Status.BAD_LENGTHS, f"{section_name(s)} has {got} elements, expected {what} * "
-                  f"{s.width} = {expected} (rank {r})")
+            times = f" * {s.width}" if s.width != 1 else ""
+            _fail(meta, Status.BAD_LENGTHS, f"{section_name(s)} has {got} elements, expected {what}{times} = "
+                  f"{expected} (rank {r})")
+
+
+def _bad_length(layout: WireLayout | None, lengths: np.ndarray) -> str:
+    """The first length out of range, named: its field, key and sample."""
+    row, col = (int(i) for i in np.argwhere((lengths < 0) | (lengths > MAX_LENGTH))[0])  # [rows, B]
+    value = int(lengths[row, col])
+    if layout is None or layout.is_tokens:
+        return f"seq_lens[{col}] = {value}"
+    for k in layout.kjts:
+        if k.row <= row < k.row + len(k.keys):
+            return f"{k.name}.lengths of key {k.keys[row - k.row]!r}, sample {col} = {value}"
+    return f"a KJT length = {value}"
 
 
 def _padding_checks(meta: LocalMeta, layout: WireLayout, lengths: np.ndarray) -> None:

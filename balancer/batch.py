@@ -21,7 +21,12 @@ Users subclass ``BaseBatch`` to add fields::
 
 Fields are keyword-only, so a subclass may add fields without defaults.
 Non-tensor fields (``feature_to_max_seqlen``, ...) are carried over unchanged by
-every operation.
+every operation. A field that holds tensors in another form (a dict or list of
+tensors, a ``JaggedTensor``, a ``KeyedTensor``) is refused: a shuffle would
+leave its rows behind while the samples move. Declare one ``torch.Tensor``
+field per feature, or a KJT; a field whose tensors describe the whole batch
+rather than its samples may opt out with
+``dataclasses.field(metadata={"balancer": "carry"})`` (carried over unchanged).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
 from balancer._ints import as_count, is_int
@@ -100,11 +105,26 @@ class BaseBatch(Pipelineable):
         self.actual_batch_size = a
         if not isinstance(self.features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(self.features).__name__}")
+        self._refuse_hidden_tensors()
         keys = self.features.keys()
         missing = [n for n in self.contextual_feature_names if n not in keys]
         if missing:
             raise ValueError(f"contextual_feature_names {missing} are not keys of features {keys}")
         self.validate(contents=self._on_cpu() and _CHECK_CONTENTS.get())
+
+    def _refuse_hidden_tensors(self) -> None:
+        """A field holding tensors that are neither a ``torch.Tensor`` nor a KJT would stay
+        behind in a shuffle: its rows would then belong to other samples, silently."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or isinstance(v, (torch.Tensor, KeyedJaggedTensor)) or f.metadata.get("balancer") == "carry":
+                continue
+            if _holds_tensors(v):
+                raise TypeError(
+                    f"field {f.name!r} holds tensors in a {type(v).__name__}: a shuffle moves only torch.Tensor "
+                    "[batch_size, ...] and KeyedJaggedTensor fields with their samples, and would leave its rows "
+                    "behind; declare one torch.Tensor field per feature (or a KeyedJaggedTensor), or, for tensors "
+                    "that describe the whole batch, dataclasses.field(metadata={'balancer': 'carry'})")
 
     # ------------------------------------------------------------------ fields
     def kjt_fields(self) -> dict[str, KeyedJaggedTensor]:
@@ -417,3 +437,15 @@ def padding_like(batch: _T) -> _T:
                                  weights=None if w is None else w.new_empty(0),
                                  lengths=torch.zeros_like(k.lengths()), stride=b)
     return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)  # type: ignore[return-value]
+
+
+def _holds_tensors(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` is or contains (in dicts, lists, tuples and sets, two levels deep)
+    a tensor, a KJT, a ``JaggedTensor`` or a ``KeyedTensor``."""
+    if isinstance(v, (torch.Tensor, KeyedJaggedTensor, JaggedTensor, KeyedTensor)):
+        return True
+    if depth < 2 and isinstance(v, dict):
+        return any(_holds_tensors(x, depth + 1) for x in v.values())
+    if depth < 2 and isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(x, depth + 1) for x in v)
+    return False

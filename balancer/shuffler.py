@@ -183,7 +183,7 @@ class BatchShuffler(ShufflerBase):
             ``seq_lens``.
         token_cap: balance compute and memory at once: no rank receives more
             than ``token_cap`` times the mean tokens per rank (a sample's
-            tokens: its elements over every KJT key, or its ``seq_lens``), or
+            tokens: its elements over every key of every KJT field, labels included, or its ``seq_lens``), or
             the proven minimum if that is higher, with compute balanced under
             the cap. ``None`` (default): compute only (tokens then end around
             1.05x the mean, up to 1.14x, on Zipf lengths). Compute quality is

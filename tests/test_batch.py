@@ -339,3 +339,48 @@ def test_a_field_on_another_device_is_refused() -> None:
         dataclasses.replace(batch, dense=torch.zeros(4, 2, 3, device="meta"))
     with pytest.raises(ValueError, match=r"labels is on meta, expected features.values' device cpu"):
         dataclasses.replace(batch, labels=torch.zeros(4, device="meta"))
+
+
+# --------------------------------------------------- fields a shuffle cannot move
+@dataclasses.dataclass(kw_only=True)
+class HiddenBatch(BaseBatch):
+    extra: object = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class CarryBatch(BaseBatch):
+    table: dict = dataclasses.field(default_factory=dict, metadata={"balancer": "carry"})
+
+
+def _hidden_cases() -> list[tuple[str, object]]:
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+    rows = torch.arange(3.0)
+    return [
+        ("dict", {"age": rows}),
+        ("list", [rows, rows]),
+        ("tuple", (1, {"nested": rows})),
+        ("JaggedTensor", JaggedTensor(values=rows, lengths=torch.ones(3, dtype=torch.int64))),
+        ("KeyedTensor", KeyedTensor(keys=["x"], length_per_key=[1], values=rows[:, None])),
+    ]
+
+
+@pytest.mark.parametrize("kind", [k for k, _ in _hidden_cases()])
+def test_fields_holding_tensors_a_shuffle_cannot_move_are_refused(kind: str) -> None:
+    # A dict of dense features (or a JaggedTensor, a KeyedTensor) stayed behind in a
+    # shuffle while uid and features moved: the received sample 10 carried sample 3's age.
+    value = dict(_hidden_cases())[kind]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match=rf"field 'extra' holds tensors in a {type(value).__name__}: a shuffle moves "
+                                        r"only torch.Tensor \[batch_size, \.\.\.\] and KeyedJaggedTensor fields"):
+        HiddenBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, extra=value)
+    # values without tensors are carried over as before
+    b = HiddenBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, extra={"name": [1, "x"]})
+    assert b.index_select(torch.tensor([2, 0])).extra == {"name": [1, "x"]}
+
+
+def test_a_field_marked_carry_keeps_its_batch_level_tensors() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
+    table = {"mean": torch.tensor([0.5])}
+    b = CarryBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, table=table)
+    assert b.index_select(torch.tensor([2, 0])).table is table
+    assert pad_batch(b, 5).table is table

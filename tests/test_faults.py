@@ -84,6 +84,10 @@ def _disagreement_worker(rank: int, w: int) -> dict[str, tuple[str, str, float]]
     data_case("numpy_real", numpy_real)
     data_case("lengths_dtype", _with_lengths(b, torch.int32) if odd else b)
     data_case("weights_one_rank", _with_lengths(b, weights=not odd))
+    # Settings that stay on their rank (a received sample takes the receiver's) were not
+    # compared: each rank kept its own, and the HSTU cost of contextual keys differed.
+    data_case("max_seqlen", dataclasses.replace(b, feature_to_max_seqlen={"a": 2}) if odd else b)
+    data_case("contextual", dataclasses.replace(b, contextual_feature_names=["b"]) if odd else b)
     data_case("after", b)
 
     def fresh(name: str, **kwargs: Any) -> None:
@@ -110,6 +114,8 @@ def test_disagreements_raise_the_same_clear_error_on_every_rank() -> None:
         "nested_dense": "the batch could not be read: RuntimeError: ",
         "lengths_dtype": "'features.lengths dtype': ranks [0, 1]: 'torch.int64'; rank 2: 'torch.int32'",
         "weights_one_rank": "'features.weights dtype': ranks [0, 1]: 'torch.float32'; rank 2: 'absent'",
+        "max_seqlen": "'feature_to_max_seqlen': ranks [0, 1]: \"{'a': 7}\"; rank 2: \"{'a': 2}\"",
+        "contextual": "'contextual_feature_names': ranks [0, 1]: '[]'; rank 2: \"['b']\"",
         "locality": "'locality': ranks [0, 1]: 'True'; rank 2: 'False'",
         "comm": "'comm': ranks [0, 1]: 'all2all'; rank 2: 'allgather'",
         "partition": "partition=rank_dependent returned different partitions on different ranks "

@@ -142,5 +142,15 @@ def test_bad_input_becomes_a_status_not_an_exception() -> None:
     meta = capture(broken, token_count, seq=0, rank=0, config=0, base_type=BaseBatch)
     msg, _ = message(meta, meta.agreement(), NO_PREV)
     assert msg[H_STATUS] & Status.BAD_LENGTHS and "extra.values has" in meta.error
+    assert "expected sum(lengths) = " in meta.error, meta.error  # (no '* 1' for one element per value)
+    # A negative length is named by field, key and sample (was 'a KJT length is negative').
+    negative = make_batch(0, 6, 5, seed=3)
+    lengths = negative.extra.lengths().clone()
+    lengths[2] = -4
+    object.__setattr__(negative.extra, "_lengths", lengths)
+    meta = capture(negative, token_count, seq=0, rank=1, config=0, base_type=BaseBatch)
+    msg, _ = message(meta, meta.agreement(), NO_PREV)
+    assert msg[H_STATUS] & Status.BAD_LENGTHS
+    assert "extra.lengths of key 'e', sample 2 = -4, expected 0 <= length < 2**31 (rank 1)" in meta.error, meta.error
     meta = capture(object(), token_count, seq=0, rank=3, config=0, base_type=BaseBatch)
     assert meta.status == Status.BAD_INPUT and "batch is a object, expected a BaseBatch (rank 3)" in meta.error

@@ -187,7 +187,7 @@ def test_token_batches_shuffle_between_ranks() -> None:
     assert any(r[i][4] != "none" for r in per_rank for i in range(n))  # samples did move
     for res in per_rank:
         errors = res[-1][1]
-        assert "tokens['input_ids'] has" in errors["short"] and "expected sum(seq_lens) * 1" in errors["short"]
+        assert "tokens['input_ids'] has" in errors["short"] and "expected sum(seq_lens) = " in errors["short"]
         assert "(rank 1)" in errors["short"] and errors["short"] == per_rank[0][-1][1]["short"]
         assert "'layout': ranks [0, 2]: 'padded'; rank 1: 'packed'" in errors["layout"], errors["layout"]
 
@@ -420,8 +420,8 @@ def test_a_negative_length_is_named_before_the_workload_it_made_negative() -> No
     batch = token_batch(0, 4, 3, seed=1, packed=False)
     batch.seq_lens[0] = -1
     s = BatchShuffler(lambda b: b.seq_lens.double())
-    with pytest.raises(ValueError, match=r"invalid shuffle input on rank\(s\) \[0\]: a seq_lens length is "
-                                         r"negative or >= 2\*\*31 \(rank 0\)"):
+    with pytest.raises(ValueError, match=r"invalid shuffle input on rank\(s\) \[0\]: seq_lens\[0\] = -1, "
+                                         r"expected 0 <= length < 2\*\*31 \(rank 0\)"):
         s.shuffle(batch)
     s.close()
 
