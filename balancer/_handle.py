@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -215,7 +216,8 @@ class ShufflerBase:
         end with its timeout; a ``finish_shuffle`` waiting for it on another thread
         raises ``RuntimeError`` at once); later calls raise ``RuntimeError``. Idempotent."""
         self._closed = True
-        if self._closing.set_running_or_notify_cancel():  # first close(): wake the waiters
+        # (close() is idempotent: only the first one wakes the waiters)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
             self._closing.set_result(None)
         if self._executor is not None:
             self._executor.shutdown(_CLOSE_GRACE_S)

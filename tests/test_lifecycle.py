@@ -375,3 +375,29 @@ def test_leaving_a_loader_loop_early_and_exiting_without_close_exits_cleanly() -
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0 and out == "done\n", (p.returncode, out, err[-2000:])
         assert "terminate called" not in err
+
+
+def test_close_is_idempotent_from_any_thread() -> None:
+    # The first close() wakes waiting finishes through a future; a second close() (a
+    # pipeline's close, then the shuffler's own) raised "Future in unexpected state".
+    from balancer.shuffler import IdentityBatchShuffler
+    for make in (lambda: BatchShuffler(token_count), lambda: IdentityBatchShuffler(token_count)):
+        s = make()
+        s.close()
+        s.close()
+        s = make()
+        errors: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                s.close()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=close) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        s.close()
+        assert errors == []
