@@ -388,7 +388,7 @@ def test_close_is_idempotent_from_any_thread() -> None:
         s = make()
         errors: list[BaseException] = []
 
-        def close() -> None:
+        def close(s: Any = s, errors: list[BaseException] = errors) -> None:
             try:
                 s.close()
             except BaseException as e:  # noqa: BLE001 - reported below
