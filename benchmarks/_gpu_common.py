@@ -171,6 +171,31 @@ class Transformer(nn.Module):
         return F.binary_cross_entropy_with_logits(logits.float(), p.labels)
 
 
+def build(device: str, attn: str, dims: Dims, error: Callable[[str], Any]
+          ) -> tuple[torch.device, str, str, dict[str, Any], Transformer]:
+    """``(device, backend, why, environment, model)`` for ``--device``, ``--attn``
+    and the model size: the model seeded alike in every benchmark."""
+    dev = compute_device(device, error)
+    backend, why = select_backend(attn, dev, dims)
+    env = environment(dev)
+    torch.manual_seed(0)
+    return dev, backend, why, env, Transformer(dims).to(dev, dtype_for(dev))
+
+
+def compute_device(choice: str, error: Callable[[str], Any]) -> torch.device:
+    """The device of ``--device`` (``auto``: CUDA if available); ``error`` (the parser's)
+    when CUDA is asked for and missing. On CPU one intra-op thread: one core per
+    virtual rank's work, as bench_e2e."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        error("--device cuda: torch.cuda.is_available() is False")
+    if choice == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    torch.set_num_threads(1)
+    return torch.device("cpu")
+
+
 def dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

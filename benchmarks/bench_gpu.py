@@ -67,12 +67,11 @@ from _gpu_common import (  # noqa: E402
     Packed,
     RegionTimer,
     Transformer,
+    build,
     count_syncs,
     dtype_for,
-    environment,
     fwd_bwd_times,
     pack,
-    select_backend,
 )
 
 from balancer import SelfAttentionCost, fit_polynomial  # noqa: E402
@@ -354,19 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.device = "cpu" if a.device == "auto" else a.device
     if a.kk_cost not in a.costs or a.kk_cost == "online":
         a.kk_cost = next((c for c in a.costs if c != "online"), "flops")
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch.cuda.is_available() is False")
-    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # one core per virtual rank's work, as bench_e2e
-
     dims = Dims(a.hidden, a.heads, a.layers)
-    backend, why = select_backend(a.attn, device, dims)
-    env = environment(device)
-    torch.manual_seed(0)
-    model = Transformer(dims).to(device, dtype_for(device))
+    device, backend, why, env, model = build(a.device, a.attn, dims, p.error)
     print(f"device {device} ({env.get('gpu', env['platform'])}), torch {env['torch']}, CUDA {env['torch_cuda']}, "
           f"{dtype_for(device)}; attention: {why}")
     coeffs: dict[str, tuple[float, float, float]] = {}

@@ -62,10 +62,9 @@ from _gpu_common import (  # noqa: E402
     Dims,
     RegionTimer,
     Transformer,
+    build,
     dtype_for,
-    environment,
     pack,
-    select_backend,
 )
 
 from balancer import TransformerCost, plan_dispatch  # noqa: E402
@@ -179,18 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.device = "cpu" if a.device == "auto" else a.device
     if a.max_tokens < a.max_len:
         p.error(f"--max-tokens {a.max_tokens}: expected >= --max-len {a.max_len} (every sample must fit)")
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch.cuda.is_available() is False")
-    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    dims = Dims(a.hidden, a.heads, a.layers)
-    backend, why = select_backend(a.attn, device, dims)
-    env = environment(device)
-    torch.manual_seed(0)
-    model = Transformer(dims).to(device, dtype_for(device))
+    device, backend, why, env, model = build(a.device, a.attn, Dims(a.hidden, a.heads, a.layers), p.error)
     # The model's own matmul FLOPs (forward + backward, causal; a 4x GELU MLP, one logit).
     cost = TransformerCost(hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_layers=a.layers,
                            num_heads=a.heads, gated_mlp=False)
