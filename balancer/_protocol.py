@@ -293,12 +293,13 @@ def _workload_checks(meta: LocalMeta, workloads: np.ndarray) -> tuple[int, float
 
 def _value_checks(meta: LocalMeta, lengths: np.ndarray, detail: int, value: float) -> None:
     r = meta.rank
-    if lengths.size and (lengths.min() < 0 or lengths.max() > MAX_LENGTH):
-        meta.status |= Status.BAD_LENGTHS
     # A bad length first: it is the cause where workload_fn turned it into a bad
-    # workload (a negative seq_lens was reported as a negative workload).
-    if meta.status & Status.BAD_LENGTHS:
-        _fail(meta, 0, f"{_bad_length(meta.layout, lengths)}, expected 0 <= length < 2**31 (rank {r})")
+    # workload (a negative seq_lens was reported as a negative workload). (Tested on
+    # the lengths, not the status: a second message of the same shuffle, after a
+    # retried agreement, finds the status bits of the first one's checks.)
+    if lengths.size and (lengths.min() < 0 or lengths.max() > MAX_LENGTH):
+        _fail(meta, Status.BAD_LENGTHS, f"{_bad_length(meta.layout, lengths)}, expected 0 <= length < 2**31 "
+              f"(rank {r})")
     if meta.status & Status.NEGATIVE:
         _fail(meta, 0, f"workloads[{detail}] = {value!r}, expected >= 0 for real samples (rank {r})")
     if meta.status & Status.NONFINITE:
