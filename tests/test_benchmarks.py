@@ -33,7 +33,9 @@ def _run(script: str, tmp_path: Path, *args: str, timeout: int = 300) -> list[di
 
 
 def test_bench_shuffle(tmp_path: Path) -> None:
-    rows = [r for r in _run("bench_shuffle.py", tmp_path) if r["kind"] == "result"]
+    # One distribution (Zipf, the predecessor's published setting): the three of --quick
+    # took 82 s of the suite, and the checks below hold per row whatever the lengths.
+    rows = [r for r in _run("bench_shuffle.py", tmp_path, "--dists", "zipf") if r["kind"] == "result"]
     assert {r["comm"] for r in rows} == {"all2all", "allgather"} and {r["world_size"] for r in rows} == {2, 4}
     gathered = {(r["world_size"], r["batch_size"], r["dist"]): r for r in rows if r["comm"] == "allgather"}
     for r in rows:
@@ -66,7 +68,10 @@ def test_bench_llm(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("script", ["bench_partition.py"])
 def test_bench_partition(script: str, tmp_path: Path) -> None:
-    rows = _run(script, tmp_path, "--seeds", "1", timeout=600)
+    # --before HEAD: the reference-loading path (git show into a temporary package) with a
+    # fast reference; the default, a pre-issue-14 commit, took seconds per call at scale
+    # (the test: 115 s, against ~64 s).
+    rows = _run(script, tmp_path, "--seeds", "1", "--before", "HEAD", timeout=600)
     small = [r for r in rows if r.get("kind") == "small"]
     assert small and all(g >= -1e-12 for r in small for g in r["gaps_after"]), "no partition beats the bound"
     crowded = [r for r in rows if r.get("kind") == "crowded"]
