@@ -278,7 +278,8 @@ def wire_layout(batch: Any) -> WireLayout:
     # Settings that describe every sample alike and stay on their rank (a received sample
     # takes the receiver's): they must agree (design.md: "must not depend on the rank").
     settings = (("contextual_feature_names", repr(list(batch.contextual_feature_names))),
-                ("feature_to_max_seqlen", repr(dict(sorted(batch.feature_to_max_seqlen.items())))))
+                ("feature_to_max_seqlen", repr(dict(sorted(batch.feature_to_max_seqlen.items(),
+                                                           key=lambda kv: repr(kv[0]))))))
     fp = fingerprint(describe(cls, b, kjts, dense, settings))
     return WireLayout(cls, b, tuple(kjts), tuple(dense), tuple(sections), row, fp, settings=settings)
 

@@ -67,3 +67,18 @@ def test_token_layout_problems_name_the_field() -> None:
     assert layout_problems(batch, wire_layout(batch)) == [
         "tokens: leading shapes [(5, 3)], expected one [4, L]",
         "samples['r']: torch.complex128 has 16-byte elements, expected one of [1, 2, 4, 8] bytes"]
+
+
+def test_the_settings_are_in_the_fingerprint_whatever_the_dict_order() -> None:
+    # feature_to_max_seqlen and contextual_feature_names stay on their rank in a shuffle,
+    # so ranks must agree on them; the order a dict was filled in must not matter, and
+    # keys of mixed types (which plain sorting refuses) must not break the capture.
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.arange(6),
+                                              lengths=torch.ones(6, dtype=torch.int64))
+
+    def fp(**kw: object) -> int:
+        return wire_layout(BaseBatch(features=kjt, batch_size=3, **kw)).fingerprint  # type: ignore[arg-type]
+
+    assert fp(feature_to_max_seqlen={"b": 2, 1: 3, "a": 4}) == fp(feature_to_max_seqlen={"a": 4, 1: 3, "b": 2})
+    assert fp(feature_to_max_seqlen={"a": 4}) != fp(feature_to_max_seqlen={"a": 5})
+    assert fp(feature_to_max_seqlen={}, contextual_feature_names=["b"]) != fp(feature_to_max_seqlen={})
