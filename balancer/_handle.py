@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import queue
@@ -99,6 +98,9 @@ class ShuffleHandle:
         """Whether the background work (exchange, partition, plan) finished; never blocks."""
         return self._job is None or self._job.done()
 
+
+# finish_shuffle looks this often whether another thread closed the shuffler while it waits.
+_CLOSED_POLL_S = 0.1
 
 # close(): how long to wait for a running background job (a healthy one takes
 # milliseconds; one blocked in a collective with a stalled peer would hold close()
@@ -197,8 +199,6 @@ class ShufflerBase:
         self._broken: BaseException | None = None
         self._executor: BackgroundThread | None = None
         self._finalizer: weakref.finalize | None = None
-        # Done once close() was called: wakes a finish_shuffle waiting on another thread.
-        self._closing: Future[None] = Future()
 
     def shuffle(self, batch: BatchT, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
@@ -215,10 +215,7 @@ class ShufflerBase:
         short grace, and one blocked in a collective for a stalled peer is left to
         end with its timeout; a ``finish_shuffle`` waiting for it on another thread
         raises ``RuntimeError`` at once); later calls raise ``RuntimeError``. Idempotent."""
-        self._closed = True
-        # (close() is idempotent: only the first one wakes the waiters)
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            self._closing.set_result(None)
+        self._closed = True  # (a finish_shuffle waiting on another thread sees it: _outcome)
         if self._executor is not None:
             self._executor.shutdown(_CLOSE_GRACE_S)
             self._executor = None
@@ -312,17 +309,27 @@ class ShufflerBase:
             raise
 
     def _outcome(self, handle: ShuffleHandle, job: Future[Outcome], limit: float | None) -> Outcome:
-        waited: tuple[Future[Any], ...] = (job, self._closing)
-        concurrent.futures.wait(waited, timeout=limit,
-                                return_when=concurrent.futures.FIRST_COMPLETED)
-        if not job.done():
-            if self._closing.done():
+        # Waits in slices of _CLOSED_POLL_S, looking at _closed between them. (Not
+        # concurrent.futures.wait on the job and a closing future: a Ctrl-C inside its
+        # Python-level acquisition of both futures' locks could leave one held, and the
+        # job's set_result would then block the background thread for good.)
+        deadline = None if limit is None else time.monotonic() + limit
+        while not job.done():
+            if self._closed:
                 raise RuntimeError(f"shuffle handle #{handle.seq}: the shuffler was closed while "
                                    "finish_shuffle waited for its background work")
-            err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
-                               f"within {limit:.0f} s (the partition child or a collective is stuck)")
-            self._broken = err
-            raise err
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                err = RuntimeError(f"shuffle handle #{handle.seq}: the background work did not finish "
+                                   f"within {limit:.0f} s (the partition child or a collective is stuck)")
+                self._broken = err
+                raise err
+            try:
+                job.exception(timeout=_CLOSED_POLL_S if left is None else min(_CLOSED_POLL_S, left))
+            except concurrent.futures.TimeoutError:  # (exception() returns the job's own errors)
+                continue
+            except CancelledError:
+                break
         try:
             return job.result(0)
         except CancelledError:

@@ -277,7 +277,8 @@ def wire_layout(batch: Any) -> WireLayout:
     b = int(batch.batch_size)
     # Settings that describe every sample alike and stay on their rank (a received sample
     # takes the receiver's): they must agree (design.md: "must not depend on the rank").
-    settings = (("contextual_feature_names", repr(list(batch.contextual_feature_names))),
+    # (as sorted lists: a set of names iterates in each process's own hash order)
+    settings = (("contextual_feature_names", repr(sorted(batch.contextual_feature_names, key=repr))),
                 ("feature_to_max_seqlen", repr(dict(sorted(batch.feature_to_max_seqlen.items(),
                                                            key=lambda kv: repr(kv[0]))))))
     fp = fingerprint(describe(cls, b, kjts, dense, settings))

@@ -376,6 +376,9 @@ def test_fields_holding_tensors_a_shuffle_cannot_move_are_refused(kind: str) -> 
     # values without tensors are carried over as before
     b = HiddenBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, extra={"name": [1, "x"]})
     assert b.index_select(torch.tensor([2, 0])).extra == {"name": [1, "x"]}
+    # the settings keep their own check and its ValueError (a tensor max length)
+    with pytest.raises(ValueError, match=r"feature_to_max_seqlen\['a'\]=tensor\(3\), expected an int >= 0"):
+        BaseBatch(features=kjt, batch_size=3, feature_to_max_seqlen={"a": torch.tensor(3)})  # type: ignore[dict-item]
 
 
 def test_a_field_marked_carry_keeps_its_batch_level_tensors() -> None:

@@ -82,3 +82,7 @@ def test_the_settings_are_in_the_fingerprint_whatever_the_dict_order() -> None:
     assert fp(feature_to_max_seqlen={"b": 2, 1: 3, "a": 4}) == fp(feature_to_max_seqlen={"a": 4, 1: 3, "b": 2})
     assert fp(feature_to_max_seqlen={"a": 4}) != fp(feature_to_max_seqlen={"a": 5})
     assert fp(feature_to_max_seqlen={}, contextual_feature_names=["b"]) != fp(feature_to_max_seqlen={})
+    # names compared as a set: a set iterates in each process's own hash order (torchrun
+    # gives every rank its own seed), and ranks holding the same names were told they differ
+    assert fp(feature_to_max_seqlen={}, contextual_feature_names=["a", "b"]) == \
+        fp(feature_to_max_seqlen={}, contextual_feature_names=["b", "a"])

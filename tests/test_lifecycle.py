@@ -10,6 +10,7 @@ not outlive its parent. Every test here failed before the fix it names.
 from __future__ import annotations
 
 import collections
+import copy
 import datetime
 import os
 import signal
@@ -381,6 +382,7 @@ def test_close_is_idempotent_from_any_thread() -> None:
     # The first close() wakes waiting finishes through a future; a second close() (a
     # pipeline's close, then the shuffler's own) raised "Future in unexpected state".
     from balancer.shuffler import IdentityBatchShuffler
+    copy.deepcopy(IdentityBatchShuffler(token_count))  # (an unused one copies, as before 91d52cd)
     for make in (lambda: BatchShuffler(token_count), lambda: IdentityBatchShuffler(token_count)):
         s = make()
         s.close()
