@@ -332,9 +332,9 @@ def _bad_length(layout: WireLayout | None, lengths: np.ndarray) -> str:
     """The first length out of range, named: its field, key and sample."""
     row, col = (int(i) for i in np.argwhere((lengths < 0) | (lengths > MAX_LENGTH))[0])  # [rows, B]
     value = int(lengths[row, col])
-    if layout is None or layout.is_tokens:
+    if layout is not None and layout.is_tokens:
         return f"seq_lens[{col}] = {value}"
-    for k in layout.kjts:
+    for k in layout.kjts if layout is not None else ():
         if k.row <= row < k.row + len(k.keys):
             return f"{k.name}.lengths of key {k.keys[row - k.row]!r}, sample {col} = {value}"
     return f"a KJT length = {value}"

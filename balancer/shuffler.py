@@ -118,6 +118,7 @@ _SETUP_GRACE_S = 5.0
 # ... and at least this long (after a timeout of 1e-4 s the ranks looked for each
 # other's reports for 50 us, and told different stories)
 _MIN_GRACE_S = 1.0
+_CLOSED_WHILE_PLANNED = "BatchShuffler was closed while this shuffle was planned"
 _INSTANCES = itertools.count()
 
 
@@ -573,15 +574,14 @@ class BatchShuffler(ShufflerBase):
     def _planned(self, kwargs: dict[str, Any]) -> Step:
         """The step from the planner process; if it died (killed, out of memory),
         the same :func:`plan_step` here, which every other rank's planner also runs."""
-        closed = RuntimeError("BatchShuffler was closed while this shuffle was planned")
         child = self._child()
         if child is None:  # closed meanwhile: no plan (nobody reads it; planning here holds the GIL)
-            raise closed
+            raise RuntimeError(_CLOSED_WHILE_PLANNED)
         try:
             return child.submit_call(plan_step, **kwargs).wait_call()  # type: ignore[no-any-return]
         except (EOFError, OSError, RuntimeError) as e:
             if self._closed:  # close() killed the child on purpose
-                raise closed from None
+                raise RuntimeError(_CLOSED_WHILE_PLANNED) from None
             if isinstance(e, RuntimeError):  # the planner's own error, not its death
                 raise
             logger.warning("balancer: the planner process failed (%s); planning in-process", e)

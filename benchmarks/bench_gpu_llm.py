@@ -106,7 +106,7 @@ def run_config(model: Transformer, backend: str, device: torch.device, world: in
         starts = np.concatenate([[0], np.cumsum(lengths)])
         labels = rng.integers(0, 2, lengths.size).astype(np.float32)
         flops = np.asarray(cost.of_lengths(lengths), np.float64)
-        row: dict[str, Any] = {"step": step, "bound_tokens": int(lengths.sum())}
+        row: dict[str, Any] = {"step": step, "tokens": int(lengths.sum())}
         order = MODES[step % len(MODES):] + MODES[: step % len(MODES)]
         for mode in order:
             ranks = split(mode, lengths, world, a.max_tokens, flops, cost)
