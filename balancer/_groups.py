@@ -5,7 +5,7 @@ partition all ``W * B`` samples: at W = 8192 that is 6-81 MB per rank per step
 (B = 32-512) and a partition of up to 4.2M samples (~0.5 s on one core). With
 ``group_size = G`` a shuffle instead:
 
-1. all-gathers only the header and the total load of every rank (``W * 152``
+1. all-gathers only the header and the total load of every rank (``W * 160``
    bytes per rank);
 2. forms ``m = ceil(W / G)`` groups with :func:`form_groups`: ranks sorted by
    load, heaviest first, dealt round-robin, so every group mixes heavy and

@@ -204,7 +204,8 @@ class ShufflerBase:
         """Shuffle synchronously: ``finish_shuffle(batch, start_shuffle_async(batch))``."""
         return self.finish_shuffle(batch, self.start_shuffle_async(batch, pg), pg)
 
-    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
+                            exhausted: bool = False) -> ShuffleHandle:
         raise NotImplementedError
 
     def finish_shuffle(self, batch: Any, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> Any:
@@ -287,7 +288,8 @@ class ShufflerBase:
         stats = build_stats(seq=meta.seq, rank=meta.rank, comm=comm, workloads=workloads,
                             dest=np.zeros(b, np.int64), real=np.array([meta.real]),
                             lower_bound=max(float(workloads.sum()), float(workloads.max(initial=0.0))),
-                            partition_s=0.0, traffic=Traffic(), background_s=0.0)
+                            partition_s=0.0, traffic=Traffic(), background_s=0.0,
+                            exhausted=np.array([meta.exhausted]))
         return Outcome(None, None, meta.layout, stats, np.zeros(b, np.int64), length=stay_length(meta))
 
     def _wait(self, handle: ShuffleHandle, limit: float | None) -> Outcome:

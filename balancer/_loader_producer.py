@@ -21,11 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer.batch import BaseBatch, pad_batch, padding_like
-from balancer.errors import ShuffleAbortedError
 from balancer.shuffler import BatchShuffler, ShuffleStats
 from balancer.tokens import TokenBatch
 
@@ -221,7 +219,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
 
 
 def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler, workloads: Workloads,
-             template: Template, group: Any, world: int, signal: Any, pin: bool) -> None:
+             template: Template, group: Any, world: int, pin: bool) -> None:
     """The producer thread: one shuffled batch per credit, in step with every rank."""
     try:
         exhausted, failure = False, None
@@ -238,9 +236,9 @@ def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler,
             if failure is not None:  # every rank raises it (this one too)
                 run.items.put(Failed(_report(shuffler, workloads, _carrier(template), failure, group)))
                 break
-            handle = shuffler.start_shuffle_async(batch, group)
+            handle = shuffler.start_shuffle_async(batch, group, exhausted=exhausted)
             out = shuffler.finish_shuffle(batch, handle, group)
-            if world > 1 and not _goes_on(handle.stats, exhausted, signal, handle.seq):
+            if world > 1 and all(handle.stats.world_exhausted):
                 logger.debug("BalancedLoader: every rank was exhausted at step %d: the pass ends", step)
                 break
             run.items.put(Item(out.pin_memory() if pin else out, handle.stats))
@@ -299,19 +297,3 @@ def _report(shuffler: BatchShuffler, workloads: Workloads, carrier: BaseBatch | 
         workloads.report = None
     original = failure.__cause__
     return original if original is not None and not isinstance(original, Exception) else error
-
-
-def _goes_on(stats: ShuffleStats, exhausted: bool, signal: Any, seq: int) -> bool:
-    """Whether any rank still had data at this step (the same answer on every rank)."""
-    if sum(stats.world_real_before) > 0:  # some rank had a real sample: not exhausted
-        # (every rank of the job: with group_size, real_before covers the group only)
-        return True
-    # No real sample anywhere: the end of the pass, or every rank's loader gave
-    # a batch of padding only. One flag from every rank decides.
-    flag = torch.tensor([0 if exhausted else 1], dtype=torch.int64)
-    try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=signal)
-    except RuntimeError as e:  # a gloo timeout or a lost peer
-        raise ShuffleAbortedError(f"BalancedLoader: the end-of-data signal after shuffle #{seq} failed: {e}",
-                                  seq=seq, phase="loader stop signal", missing=None) from e
-    return bool(flag[0])

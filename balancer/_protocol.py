@@ -3,14 +3,15 @@
 Every shuffle, every rank contributes one int64 message to an all-gather on the
 shuffler's own CPU (gloo) group, issued by the shuffler's background thread::
 
-    header [18]  magic, status, detail, seq, B, K_total, layout fp, config fp,
+    header [19]  magic, status, detail, seq, B, K_total, layout fp, config fp,
                  real samples, previous seq, previous plan digest, payload B,
                  payload K_total, bad value (float64 bits), padded length L of a
                  padded token batch (0 otherwise: ranks may pad differently),
                  the shuffle whose output this rank last timed and the seconds
                  its compute took (online calibration; -1 and 0 otherwise),
                  the lowest rank of the group that planned the previous
-                 shuffle (``group_size``; -1: every rank planned it)
+                 shuffle (``group_size``; -1: every rank planned it), and
+                 whether this rank's data has run out (``exhausted``: 1, else 0)
     payload      workloads float64 [B] (as bits), then lengths int32 [K_total, B]
                  (two per word)
 
@@ -48,7 +49,7 @@ import torch
 
 from balancer._agreement import Agreement, payload_words
 from balancer._exchange import padded_length
-from balancer._header import H_MEAS_TIME, H_PAD_LEN, H_PREV_GROUP, HEADER_LEN, MAGIC
+from balancer._header import H_DONE, H_MEAS_TIME, H_PAD_LEN, H_PREV_GROUP, HEADER_LEN, MAGIC
 from balancer._ints import as_count
 from balancer._layout import (
     WireLayout,
@@ -105,6 +106,7 @@ class LocalMeta:
     event: Any = None
     pad_len: int = 0  # L of a padded TokenBatch
     measured: tuple[int, float] = (-1, 0.0)  # (shuffle, compute seconds) this rank last timed
+    exhausted: bool = False  # this rank's data has run out: the batch is padding only
 
     def agreement(self) -> Agreement:
         return Agreement(self.batch_size, self.num_lengths, self.layout_fp)
@@ -148,7 +150,7 @@ def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:
 
 
 def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, rank: int,
-            config: int, base_type: type[Any] | tuple[type[Any], ...]) -> LocalMeta:
+            config: int, base_type: type[Any] | tuple[type[Any], ...], exhausted: bool = False) -> LocalMeta:
     """This rank's contribution to shuffle ``seq``; never raises for bad input.
 
     Problems visible from shapes and dtypes (wrong type, layout, workload
@@ -161,9 +163,9 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     rank never joins.
     """
     try:
-        return _capture(batch, workload_fn, LocalMeta(seq, rank, config), base_type)
+        return _capture(batch, workload_fn, LocalMeta(seq, rank, config, exhausted=exhausted), base_type)
     except BaseException as e:  # noqa: BLE001 - reported on every rank, re-raised here (see reraise)
-        return _fail(LocalMeta(seq, rank, config), Status.BAD_INPUT,
+        return _fail(LocalMeta(seq, rank, config, exhausted=exhausted), Status.BAD_INPUT,
                      f"the batch could not be read: {type(e).__name__}: {e} (rank {rank})", e)
 
 
@@ -187,6 +189,10 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
     if not 0 <= meta.real <= b:
         return _fail(meta, Status.BAD_REAL, f"actual_batch_size={real!r}, expected 0 <= "
                      f"actual_batch_size <= batch_size={b} (rank {rank})")
+    if meta.exhausted and meta.real:
+        return _fail(meta, Status.BAD_REAL, f"exhausted=True with actual_batch_size={meta.real}: a rank "
+                     "whose data has run out shuffles a batch of no real sample (padding_like) (rank "
+                     f"{rank})")
     problems = layout_problems(batch, layout)
     if problems:
         return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")
@@ -264,6 +270,7 @@ def message(meta: LocalMeta, agreed: Agreement | None,
                            meta.pad_len, meta.measured[0]]
     msg[H_MEAS_TIME] = np.array(meta.measured[1], np.float64).view(np.int64)
     msg[H_PREV_GROUP] = prev[2]
+    msg[H_DONE] = int(meta.exhausted)
     usable = data is not None and meta.status == 0 and agreed == meta.agreement()
     if usable:
         assert data is not None and agreed is not None, "usable implies both"

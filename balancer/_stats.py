@@ -70,6 +70,10 @@ class ShuffleStats:
             it equal to ``load_before`` and ``real_before``. Whether any rank
             of the job had data, or the job's imbalance before the shuffle,
             reads from these.
+        world_exhausted: [W] whether rank r started this shuffle with
+            ``exhausted=True`` (its data had run out), rank r at index r, also
+            with ``group_size``. A pass that every rank's data has left ends
+            where all are true: the same answer on every rank.
     """
 
     seq: int
@@ -103,6 +107,7 @@ class ShuffleStats:
     group: list[int] = dataclasses.field(default_factory=list)
     world_load_before: list[float] = dataclasses.field(default_factory=list)
     world_real_before: list[int] = dataclasses.field(default_factory=list)
+    world_exhausted: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance_before(self) -> float:
@@ -139,7 +144,8 @@ class ShuffleStats:
 
 def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: np.ndarray, real: np.ndarray,
                 lower_bound: float, partition_s: float, traffic: Traffic, background_s: float,
-                tokens: np.ndarray | None = None, token_cap: float | None = None) -> ShuffleStats:
+                tokens: np.ndarray | None = None, token_cap: float | None = None,
+                exhausted: np.ndarray | None = None) -> ShuffleStats:
     """:class:`ShuffleStats` of a shuffle, with this rank's calling-thread times still 0.
 
     Args:
@@ -147,6 +153,7 @@ def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: 
         dest: [W * B] destination rank by global index.
         real: [W] real samples per rank.
         tokens: [W * B] tokens per sample by global index, 0 for padding.
+        exhausted: [W] whether each rank's data had run out (``None``: none had).
     """
     w = real.size
     b = workloads.size // w if w else 0
@@ -169,6 +176,7 @@ def build_stats(*, seq: int, rank: int, comm: str, workloads: np.ndarray, dest: 
         real_after=[int(v) for v in np.bincount(dest[is_real], minlength=w)] if b else [0] * w,
         tokens_before=_per_rank(tokens, None, w, b), tokens_after=_per_rank(tokens, dest, w, b),
         token_cap=token_cap, world_load_before=[float(v) for v in before], world_real_before=[int(v) for v in real],
+        world_exhausted=[False] * int(w) if exhausted is None else [bool(v) for v in exhausted],
     )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from balancer._calibrate import CostModel, features
 from balancer._destinations import PartitionFn, partition
 from balancer._exchange import Exchange, Traffic, plan_exchange
-from balancer._header import H_PAD_LEN, H_REAL, HEADER_LEN
+from balancer._header import H_DONE, H_PAD_LEN, H_REAL, HEADER_LEN
 from balancer._plan import Gathered, moved_mask, plan_digest, plan_rank, real_mask
 from balancer._plan_layout import PlanLayout
 from balancer._stats import ShuffleStats, build_stats
@@ -107,7 +107,8 @@ def plan_step(rows: np.ndarray, layout: PlanLayout, *, seq: int, rank: int, comm
     stats = build_stats(seq=seq, rank=rank, comm=comm if moves else "none", workloads=g.workloads,
                         dest=result.dest, real=g.real, lower_bound=result.lower_bound,
                         partition_s=result.seconds, traffic=exchange.traffic if exchange else Traffic(),
-                        background_s=0.0, tokens=tokens, token_cap=result.token_cap)
+                        background_s=0.0, tokens=tokens, token_cap=result.token_cap,
+                        exhausted=rows[:, H_DONE] != 0)
     stats = dataclasses.replace(stats, calibration=cost_model)
     feats = features(raw, totals, result.dest, is_real, g.world_size)
     return Step(result.dest, plan_digest(result.dest), exchange, stats, feats)

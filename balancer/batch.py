@@ -414,8 +414,9 @@ def padding_like(batch: _T) -> _T:
     the ``BaseBatch`` checks its padding contents, as every construction there does).
 
     What a rank whose data has run out takes part with while its peers still have
-    batches: every rank must draw the same number of batches in a balanced pipeline
-    (``BalancedLoader`` does this by itself).
+    batches (shuffled with ``start_shuffle_async(..., exhausted=True)``): every rank must
+    shuffle the same number of batches (``BalancedLoader`` and the balanced TorchRec
+    pipeline do this by themselves).
 
     Raises:
         TypeError: ``batch`` is neither a :class:`BaseBatch` nor a

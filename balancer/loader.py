@@ -29,11 +29,10 @@ keeps taking part with all-padding batches (built from a template of its first
 batch) while any rank still has data, so the remaining samples are spread over
 all ranks and every sample is yielded exactly once per epoch. Every rank stops
 at the first step at which every rank was exhausted. Ranks learn it from the
-step's shuffle: if any rank had a real sample of positive cost
-(``ShuffleStats.world_real_before``: every rank's, also with ``group_size``)
-the epoch goes on; otherwise (typically once per epoch) one all-reduce of a
-flag, in the background thread on a gloo group of the loader's own, decides.
-Every rank yields the same number of batches.
+step's shuffle, which carries every rank's flag (``start_shuffle_async(...,
+exhausted=True)``, read back as ``ShuffleStats.world_exhausted``, also with
+``group_size``): no collective of its own. Every rank yields the same number
+of batches.
 
 Failures. Bad input on one rank (layout, batch size, workloads) raises the
 shuffler's ``ValueError`` on every rank; an exception of one rank's loader is
@@ -55,7 +54,6 @@ loader yields the same batches for the same epoch (seeded sampler,
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import weakref
@@ -85,7 +83,7 @@ class BalancedLoader(Generic[_B]):
     """An iterable of balanced CPU batches over each rank's own loader.
 
     Every rank of ``group`` constructs it at the same point of its program
-    (the constructor creates the shuffler's gloo groups and one of its own)
+    (the constructor creates the shuffler's two gloo groups)
     and iterates it in step. See the module docstring for the data path, the
     stop-together policy for uneven loaders, failures and resuming.
 
@@ -117,8 +115,7 @@ class BalancedLoader(Generic[_B]):
             batch may be incomplete).
         pin_memory: pin every yielded batch (only when CUDA is available).
         comm, partition, locality, executor, timeout, log_interval, token_cap, group_size: the
-            :class:`~balancer.shuffler.BatchShuffler` settings; ``timeout``
-            also bounds the loader's own stop signal.
+            :class:`~balancer.shuffler.BatchShuffler` settings.
 
     Raises:
         ValueError: on an invalid setting, naming the value and the expectation.
@@ -146,14 +143,10 @@ class BalancedLoader(Generic[_B]):
                                        executor=executor, timeout=timeout, log_interval=log_interval,
                                        token_cap=token_cap, group_size=group_size)
         self._group, self._world, _ = _comm.resolve_group(group, "BalancedLoader")
-        # Both on the calling thread, at the same point on every rank: group
+        # On the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never
         # create a group while the training thread creates others.
         self._shuffler.connect(group)
-        self._signal = None
-        if self._world > 1:
-            ranks = dist.get_process_group_ranks(self._group)
-            self._signal = _comm.new_gloo_group(ranks, datetime.timedelta(seconds=timeout))
         self._template = Template(given=batch_size)
         self._epoch = 0
         self._consumed = 0  # batches the user took from the current (or last) pass
@@ -200,7 +193,7 @@ class BalancedLoader(Generic[_B]):
         except BaseException as e:  # noqa: BLE001 - raised on every rank by the first next()
             source = _raising(e)
         args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
-                self._world, self._signal, self._pin)
+                self._world, self._pin)
         run.thread = threading.Thread(target=produce, args=args, name="balancer-loader", daemon=True)
         run.thread.start()
         self._run, self._consumed, self._pass_epoch = run, skip, self._epoch

@@ -41,8 +41,13 @@ group (possibly another communicator). All are issued from the calling thread
 in the same program order on every rank, and on CUDA stream waits make the
 device run them in that order too (see ``_fence_before_exchange``). Phase 1's
 collective runs on the shuffler's own gloo group, which no other thread uses.
-Every rank must draw the same number of batches (pad the last one with
-:func:`balancer.pad_batch`).
+Uneven loaders stop together: a rank whose loader is exhausted takes part with
+batches of no real sample (``padding_like`` of its last batch, shuffled with
+``exhausted=True``) while any peer has data, and every rank ends the pass at the
+first shuffle whose every rank was exhausted (that all-padding batch is
+dropped): every rank runs the same number of steps and every sample is trained
+once (pad an incomplete last batch with :func:`balancer.pad_batch`). With even
+loaders that is one shuffle more per pass, of padding only.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from torchrec.distributed.train_pipeline import (
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
+from balancer import _comm
 from balancer.batch import BaseBatch, padding_like
 from balancer.config import BalancerConfig
 from balancer.partition import balanced_partition, karmarkar_karp
@@ -140,6 +146,11 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._pending: collections.deque[_PendingShuffle] = collections.deque()
         self._started: ShuffleHandle | None = None  # phase 1 of the batch being enqueued
         self._template: BaseBatch | None = None  # the last BaseBatch drawn (see _next_batch)
+        # The pass's loader iterator; whether it is exhausted on this rank (padding
+        # stands in: _ran_out), and whether every rank's was (the pass ended).
+        self._source: Iterator[Any] | None = None
+        self._out = False
+        self._ended = False
         self._stats: dict[int, ShuffleStats] = {}
         self.last_step_stats: ShuffleStats | None = None
         # Phase 2 runs right after the forward of the current batch, whichever
@@ -173,17 +184,40 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
     # ------------------------------------------------------------ TorchRec hooks
     def _next_batch(self, dataloader_iter: Iterator[Any]) -> Any:
         """The next host batch from the loader; its shuffle starts here (phase 1),
-        before TorchRec copies it to the device."""
-        batch = super()._next_batch(dataloader_iter)
-        if batch is not None:
-            self._started = self._start_shuffle(batch)
-            if not isinstance(batch, BaseBatch):
-                # Its shuffle carries the verdict to every rank, which raise when it is
-                # finished, in the same step; until then this rank keeps in step with
-                # a batch of no real sample instead of leaving its peers in TorchRec's
-                # collectives.
-                assert self._template is not None, "_start_shuffle raised without one"
-                batch = padding_like(self._template)
+        before TorchRec copies it to the device. Once this rank's loader is
+        exhausted, a batch of no real sample stands in while any peer has data
+        (see :meth:`_ran_out`)."""
+        if dataloader_iter is not self._source:  # a new pass
+            self._source, self._out, self._ended = dataloader_iter, False, False
+        if self._ended:
+            return None
+        batch = None if self._out else super()._next_batch(dataloader_iter)
+        if batch is None:
+            return self._ran_out()
+        self._started = self._start_shuffle(batch)
+        if not isinstance(batch, BaseBatch):
+            # Its shuffle carries the verdict to every rank, which raise when it is
+            # finished, in the same step; until then this rank keeps in step with
+            # a batch of no real sample instead of leaving its peers in TorchRec's
+            # collectives.
+            assert self._template is not None, "_start_shuffle raised without one"
+            batch = padding_like(self._template)
+        return batch
+
+    def _ran_out(self) -> Any:
+        """This rank's loader is exhausted: ``None`` (the pass ends here, as in
+        TorchRec) without peers to keep in step with; otherwise a batch of no
+        real sample, shuffled with ``exhausted=True``, so that the samples of
+        peers with more batches are spread over every rank and TorchRec's
+        collectives stay in step. The pass ends on every rank at the first
+        shuffle whose every rank was exhausted (its all-padding batch is
+        dropped: :meth:`_drop_if_ended`)."""
+        if self._template is None or not self._communicates or _comm.resolve_group(self._shuffle_pg)[1] == 1:
+            return None
+        self._out = True
+        batch = padding_like(self._template)
+        with record_function("## balancer.pipeline.start_shuffle ##"):
+            self._started = self._shuffler.start_shuffle_async(batch, pg=self._shuffle_pg, exhausted=True)
         return batch
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -197,12 +231,21 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             if self._timed:
                 self._handles[index] = self._started
             self._started = None
+            if self._out and len(self.batches) == 1:
+                # The first batch of a pass, from an exhausted rank: finished here
+                # (its peers finish theirs next, before any other collective), so
+                # that a pass every rank starts exhausted ends before TorchRec
+                # starts the batch's input dist.
+                self._finish_shuffles()
+                return bool(self.batches)
         return True
 
     def start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
         """Finish the batch's shuffle if still pending, then start its input dist."""
         if batch is not None:
             self._finish_shuffles(until=context.index)
+            if not any(ctx is context for ctx in self.contexts):
+                return  # the pass ended with this batch, dropped on every rank
             batch = self._queued_batch(context, batch)
         super().start_sparse_data_dist(batch, context)
 
@@ -318,6 +361,24 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
                     shuffled.record_stream(stream)
             self._stats[p.index] = p.handle.stats
             self._replace_queued_batch(p.index, shuffled)
+            self._drop_if_ended(p.index, p.handle.stats)
+
+    def _drop_if_ended(self, index: int, stats: ShuffleStats) -> None:
+        """Every rank was exhausted at this shuffle (the same answer on every rank):
+        its batch holds no real sample anywhere, so it is dropped from the queue (a
+        step on it would train nothing and still step the optimizer), and no batch
+        is drawn until the next pass."""
+        if not (stats.world_exhausted and all(stats.world_exhausted)):
+            return
+        for pos, ctx in enumerate(self.contexts):
+            if ctx.index == index:
+                del self.batches[pos]
+                del self.contexts[pos]
+                break
+        self._stats.pop(index, None)
+        self._handles.pop(index, None)
+        self._ended = True
+        logger.debug("balancer: every rank's loader was exhausted at batch %d: the pass ends", index)
 
     def _replace_queued_batch(self, index: int, batch: BaseBatch) -> None:
         for pos, ctx in enumerate(self.contexts):

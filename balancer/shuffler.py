@@ -62,7 +62,7 @@ from balancer._exchange import Traffic
 from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
-from balancer._header import H_REAL, HEADER_LEN
+from balancer._header import H_DONE, H_REAL, HEADER_LEN
 from balancer._ints import is_int
 from balancer._layout import WireLayout, fingerprint
 from balancer._protocol import (
@@ -199,7 +199,7 @@ class BatchShuffler(ShufflerBase):
             ``G >= 2``: for large jobs, balance within groups of at most G
             ranks, re-formed every shuffle so that each mixes heavy and light
             ranks (:mod:`balancer._groups`). Phase 1 then gathers every rank's
-            header and load (``W * 152`` bytes) and the per-sample metadata of
+            header and load (``W * 160`` bytes) and the per-sample metadata of
             the group only, and partitions ``G * B`` samples instead of
             ``W * B``, for some balance (a heavy group cannot give work to a
             light one). ``handle.stats`` then describes this rank's group
@@ -327,7 +327,8 @@ class BatchShuffler(ShufflerBase):
         self._calibration.report(handle.seq, seconds, events)
 
     # ------------------------------------------------------------- phases
-    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
+                            exhausted: bool = False) -> ShuffleHandle:
         """Phase 1: capture this rank's metadata and queue the background work.
 
         Never waits for the device or for other ranks. Problems with the input
@@ -337,17 +338,25 @@ class BatchShuffler(ShufflerBase):
             batch: this rank's :class:`BaseBatch` (on the CPU -- e.g. before its
                 copy to the device -- or on the device).
             pg: process group; ``None`` is the default group (resolved now).
+            exhausted: this rank's data has run out and ``batch`` holds no real
+                sample (``padding_like``): it takes part so that its peers'
+                samples can still be spread. Every rank reads every rank's flag
+                from ``ShuffleStats.world_exhausted`` (no extra collective): a
+                pass ends together where all are true. A real sample with
+                ``exhausted=True`` is invalid input (``ValueError`` on every rank).
 
         Raises:
             RuntimeError: the shuffler is closed.
             ValueError: this process is not a member of ``pg``.
+            TypeError: ``exhausted`` is not a bool.
         """
         self._check_open()
         group, w, rank = _comm.resolve_group(pg)
+        _check_exhausted(exhausted, rank)
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
-                           base_type=_BATCHES)
+                           base_type=_BATCHES, exhausted=bool(exhausted))
             meta.measured = self._calibration.latest()
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
@@ -466,7 +475,8 @@ class BatchShuffler(ShufflerBase):
             key = groups.name
             agreed = self._agreed.get(key)
             members = None  # the ranks of this rank's group (group_size), ascending
-            job: tuple[np.ndarray, np.ndarray] | None = None  # with members: every rank's load and real count
+            # with members: every rank's load, real count and exhausted flag (from the headers)
+            job: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
             if self.group_size is not None and groups.world_size > self.group_size:
                 rows, agreed, members, job = self._gather_in_group(meta, groups, agreed)
             else:
@@ -522,7 +532,8 @@ class BatchShuffler(ShufflerBase):
                                              recv_splits=widen_splits(ex.recv_splits, members, w))
                 assert job is not None, "gathered with the members"
                 stats = dataclasses.replace(stats, world_size=w, rank=groups.rank, group=members.tolist(),
-                                            world_load_before=job[0].tolist(), world_real_before=job[1].tolist())
+                                            world_load_before=job[0].tolist(), world_real_before=job[1].tolist(),
+                                            world_exhausted=(job[2] != 0).tolist())
                 dest = members[dest]
             blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
             stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
@@ -531,14 +542,15 @@ class BatchShuffler(ShufflerBase):
 
     def _gather_in_group(self, meta: LocalMeta, groups: ShuffleGroups,
                          agreed: Agreement | None
-                         ) -> tuple[np.ndarray, Agreement, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+                         ) -> tuple[np.ndarray, Agreement, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Phase 1 with ``group_size``: every rank's header and load, the verdict,
         the groups, then the full messages within this rank's group.
 
         Returns:
             The group's messages ``[G, len]`` (row i from ``members[i]``), the
             agreement, the members (ascending), and every rank's load
-            (float64 ``[W]``) and real samples (int64 ``[W]``) from the headers.
+            (float64 ``[W]``), real samples and exhausted flag (int64 ``[W]``)
+            from the headers.
         """
         key = groups.name
         prev = self._prev.get(key, NO_PREV)
@@ -558,7 +570,7 @@ class BatchShuffler(ShufflerBase):
         loads = heads[:, HEADER_LEN].copy().view(np.float64)
         members = members_of(form_groups(loads, self.group_size), groups.rank)
         rows = self._collective(groups, meta.seq, "phase 1", _comm.gather_group, msg, members, groups)
-        return rows, agreed, members, (loads, heads[:, H_REAL].copy())
+        return rows, agreed, members, (loads, heads[:, H_REAL].copy(), heads[:, H_DONE].copy())
 
     def _length_rows(self, layout: WireLayout) -> tuple[int, ...] | None:
         """Rows of the lengths matrix that make up L for calibration (None: all)."""
@@ -738,6 +750,13 @@ def _padded(batch: Any, size: int) -> Any:
     return trusted(pad_batch, batch, size)
 
 
+def _check_exhausted(exhausted: Any, rank: int) -> None:
+    """``start_shuffle_async``'s ``exhausted`` must be a bool (numpy's too): a tensor or
+    a count would say something else than the caller meant."""
+    if not isinstance(exhausted, (bool, np.bool_)):
+        raise TypeError(f"start_shuffle_async: exhausted={exhausted!r}, expected a bool (rank {rank})")
+
+
 class IdentityBatchShuffler(ShufflerBase):
     """Same API as :class:`BatchShuffler`; communicates nothing and returns the
     batch unchanged. Stats cover this rank only (``world_size == 1``); ``rank``
@@ -750,26 +769,33 @@ class IdentityBatchShuffler(ShufflerBase):
 
     def __init__(self, workload_fn: Callable[[Any], Any] | None = None) -> None:
         super().__init__(workload_fn)
+        self._exhausted: dict[int, bool] = {}  # seq -> start_shuffle_async's flag, until finished
 
-    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None) -> ShuffleHandle:
+    def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
+                            exhausted: bool = False) -> ShuffleHandle:
         """No communication; computes the workloads only if ``workload_fn`` is set."""
         self._check_open()
         _, _, rank = _comm.resolve_group(pg, "IdentityBatchShuffler")
+        _check_exhausted(exhausted, rank)
         t0 = perf_counter()
         job, meta = None, None
+        self._exhausted[self._next_seq] = bool(exhausted)
         if self._workload_fn is not None:
-            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=_BATCHES)
+            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=_BATCHES,
+                           exhausted=bool(exhausted))
             job = self._pool().submit(self._local_job, meta, "identity")
         return self._register(ShuffleHandle(self._next_seq, 1, rank, perf_counter() - t0, self._token, job, meta))
 
     def finish_shuffle(self, batch: BatchT, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Returns ``batch`` itself."""
         self._claim(handle)
+        exhausted = self._exhausted.pop(handle.seq, False)
         if handle._job is None:
             b = int(getattr(batch, "batch_size", 0) or 0)
             stats = build_stats(seq=handle.seq, rank=handle.rank, comm="identity", workloads=np.zeros(b),
                                 dest=np.zeros(b, np.int64), real=np.array([b]), lower_bound=0.0,
-                                partition_s=0.0, traffic=Traffic(), background_s=0.0)
+                                partition_s=0.0, traffic=Traffic(), background_s=0.0,
+                                exhausted=np.array([exhausted]))
         else:
             stats = self._wait(handle, None).stats
         self._done(handle, dataclasses.replace(stats, phase1_s=handle.phase1_s))

@@ -2,7 +2,7 @@
 within groups of ranks gives up.
 
 Part 1 (bytes). Every rank all-gathers one message per rank per step:
-``8 * (18 + B + ceil(K * B / 2))`` bytes (header, float64 costs, int32 lengths
+``8 * (19 + B + ceil(K * B / 2))`` bytes (header, float64 costs, int32 lengths
 of K keys). The table gives the bytes one rank receives per step for W up to
 8192; the formula is checked against the message a real capture produces.
 

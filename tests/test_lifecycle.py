@@ -324,7 +324,7 @@ def test_the_pipeline_keeps_a_shuffle_pending_when_its_finish_is_interrupted() -
         _pending=collections.deque([_PendingShuffle(7, batch, handle)]),  # type: ignore[arg-type]
         _shuffler=InterruptedOnce(), _shuffle_pg=None, _memcpy_stream=None, _stats={},
         _fence_before_exchange=lambda: None, _fence_after_exchange=lambda: None, _consumer_streams=list,
-        _replace_queued_batch=lambda index, b: replaced.append(index))
+        _replace_queued_batch=lambda index, b: replaced.append(index), _drop_if_ended=lambda index, stats: None)
     finish = BalancedTrainPipelineSparseDist._finish_shuffles
     with pytest.raises(KeyboardInterrupt):
         finish(pipe)  # type: ignore[arg-type]

@@ -153,6 +153,29 @@ def _conservation_worker(rank: int, w: int) -> dict[str, Any]:
     return out
 
 
+def _empty_step_worker(rank: int, w: int) -> tuple[list[list[int]], int]:
+    from balancer._comm import held_groups
+
+    # Every rank's loader yields a batch of padding only at step 1, then more data:
+    # no rank is exhausted there, so the pass goes on (the exhausted flag decides,
+    # not the missing real samples).
+    batches = [make(0, rank, 0, B), padding(), make(0, rank, 2, B - rank)]
+    before = held_groups()
+    with BalancedLoader(batches, cost, batch_size=B, **FAST) as loader:
+        groups = (held_groups() or 0) - (before or 0)
+        got = [check_batch(b) for b in loader]
+    return got, groups
+
+
+def test_a_step_of_padding_on_every_rank_does_not_end_the_pass() -> None:
+    outs = run_workers(_empty_step_worker, 2, timeout=120)
+    for got, groups in outs:
+        assert len(got) == 3 and got[1] == [], got
+        assert groups == 2, "the shuffler's two gloo groups, no stop-signal group of the loader's own"
+    ids = sorted(i for got, _ in outs for step in got for i in step)
+    assert ids == sorted(_sid(0, r, s, i) for r in range(2) for s, n in ((0, B), (2, B - r)) for i in range(n))
+
+
 def test_every_sample_once_per_epoch_matches_the_shuffler_and_ahead() -> None:
     w = 3
     outs = run_workers(_conservation_worker, w, timeout=120)

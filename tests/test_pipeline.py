@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -118,16 +119,20 @@ def _snapshot(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def _train(
-    rank: int, mode: str, events: list[str] | None = None, late_enqueue: bool = False, uneven: bool = False
+    rank: int, mode: str, events: list[str] | None = None, late_enqueue: bool = False, uneven: bool = False,
+    short: int = 0, pad: bool = True,
 ) -> dict[str, Any]:
+    """Train STEPS batches; rank 1's loader holds ``short`` batches fewer (``uneven``: 1),
+    in their place batches of no real sample where ``pad``."""
     args = parse_args(ARGS)
     pg = dist.group.WORLD
     device = torch.device("cpu")
     model, optimizer = build_model(args, device, pg)
     data: Any = SyntheticHSTUData(rank=rank, batch_size=16, num_batches=STEPS, max_seqlen=48, seed=3)
-    if uneven and rank == 1:  # one batch fewer: the last step takes part with no real sample
-        drawn = list(data)[:-1]
-        data = [*drawn, padding_like(drawn[-1])]
+    short = short or int(uneven)
+    if short and rank == 1:  # the last steps take part with no real sample (or the loader stops early)
+        drawn = list(data)[:-short]
+        data = [*drawn, *[padding_like(drawn[-1]) for _ in range(short if pad else 0)]]
     runner, comm = MODES[mode]
     shuffler = None
     if comm == "calibrated":  # online calibration from the forward + backward times the pipeline measures
@@ -265,9 +270,9 @@ class _Recorder:
     def __init__(self, inner: Any, events: list[str]) -> None:
         self.inner, self.events = inner, events
 
-    def start_shuffle_async(self, batch: Any, pg: Any = None) -> Any:
+    def start_shuffle_async(self, batch: Any, pg: Any = None, exhausted: bool = False) -> Any:
         self.events.append(f"phase1 {_batch_id(batch)}")
-        return self.inner.start_shuffle_async(batch, pg=pg)
+        return self.inner.start_shuffle_async(batch, pg=pg, exhausted=exhausted)
 
     def finish_shuffle(self, batch: Any, handle: Any, pg: Any = None) -> Any:
         out = self.inner.finish_shuffle(batch, handle, pg=pg)
@@ -289,7 +294,9 @@ def test_hook_order() -> None:
     skip_without_tbe("the example's sharded model")
     events = run_workers(_worker_order, 2, timeout=300)[0]
     phase1 = [e for e in events if e.startswith("phase1")]
-    assert len(phase1) == STEPS
+    # ... and once every loader is exhausted, one shuffle of no real sample that
+    # tells every rank so (uneven loaders stop together); it is not trained.
+    assert len(phase1) == STEPS + 1 and phase1[-1] == "phase1 0", phase1[-3:]
     fwd_pos = [i for i, e in enumerate(events) if e.startswith("forward")]
     assert len(fwd_pos) == STEPS
     for step in range(STEPS - 2):
@@ -355,6 +362,74 @@ def test_a_rank_out_of_data_takes_part_with_a_padding_like_batch() -> None:
         assert len(res["on"]["losses"]) == STEPS and np.isfinite(res["on"]["losses"]).all()
         before, after, moved = np.array(res["on"]["imbalance"]).T
         assert moved[-1] > 0, res["on"]["imbalance"]  # the last step still balanced rank 0's batch
+
+
+def _worker_short(rank: int, world: int, short: int, late: bool) -> dict[str, Any]:
+    return {"pipeline": _train(rank, "on", late_enqueue=late, short=short, pad=False),
+            "loop": _train(rank, "loop_on", short=short)}
+
+
+@pytest.mark.parametrize("short, late", [(1, False), (3, False), (3, True)])
+def test_a_rank_whose_loader_stops_early_keeps_in_step_by_itself(short: int, late: bool) -> None:
+    # Rank 1's plain loader holds `short` batches fewer. The pipeline took part
+    # with nothing once it was exhausted: rank 0 waited in phase 1 for the
+    # shuffler's timeout (300 s), then failed; rank 1 got gloo's error in its
+    # backward. Now rank 1 takes part with batches of no real sample while rank 0
+    # has data, and both train exactly what a loop whose rank 1 appends
+    # padding_like batches trains (every sample once), STEPS steps each.
+    skip_without_tbe("the example's sharded model")
+    for res in run_workers(_worker_short, 2, short, late, timeout=300):
+        _assert_equal(res["pipeline"], res["loop"])
+        assert len(res["pipeline"]["losses"]) == STEPS
+        before, after, moved = np.array(res["pipeline"]["imbalance"]).T
+        assert moved[-1] > 0, res["pipeline"]["imbalance"]  # the last step spread rank 0's samples
+
+
+def _worker_passes(rank: int, world: int) -> list[Any]:
+    """Three passes of one pipeline: uneven (rank 1 two batches short), empty on
+    every rank, then even: the steps each pass trained and what it drew."""
+    args = parse_args(ARGS)
+    model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
+    shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0)
+    pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"), shuffler)
+    full = list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=5, max_seqlen=48, seed=3))
+    passes = [full[:3] if rank == 1 else full, [], full]
+    out: list[Any] = []
+    for data in passes:
+        drawn = [0]
+        real = 0
+
+        def source(data: list[Any] = data, drawn: list[int] = drawn) -> Iterator[Any]:
+            for b in data:
+                drawn[0] += 1
+                drawn.append(b.actual_batch_size)
+                yield b
+
+        it = source()
+        steps = 0
+        while True:
+            try:
+                pipe.progress(it)
+            except StopIteration:
+                break
+            steps += 1
+            real += sum(pipe.last_step_stats.real_after) if rank == 0 else 0  # type: ignore[union-attr]
+        out.append((steps, drawn[0], real, sum(drawn[1:])))
+    pipe.close()
+    return out
+
+
+def test_uneven_empty_and_even_passes_end_together() -> None:
+    # The pass state follows the loader iterator: after an uneven pass, a pass
+    # every rank starts exhausted ends at once on both (nothing drawn, no step,
+    # no hang), and the next pass trains all its batches again. Every real
+    # sample drawn is trained once.
+    skip_without_tbe("the example's sharded model")
+    r0, r1 = run_workers(_worker_passes, 2, timeout=300)
+    assert [p[:2] for p in r0] == [(5, 5), (0, 0), (5, 5)]
+    assert [p[:2] for p in r1] == [(5, 3), (0, 0), (5, 5)]
+    assert [p[2] for p in r0] == [a[3] + b[3] for a, b in zip(r0, r1, strict=True)]
+    assert r1[0][3] > 0 and r0[0][3] > r1[0][3]
 
 
 def _worker_not_a_batch(rank: int, world: int) -> tuple[str, str]:

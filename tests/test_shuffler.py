@@ -416,6 +416,58 @@ def test_bad_input_every_rank_worker_error() -> None:
     assert all("'features.keys': rank 0: \"['a']\"; rank 1: \"['a', 'b', 'c']\"" in o.message for o in outs)
 
 
+def _exhausted_worker(rank: int, w: int) -> dict[str, Any]:
+    from balancer.batch import padding_like
+
+    out: dict[str, Any] = {}
+    real = make_batch(rank, 4, 4, seed=5)
+    empty = padding_like(real)
+    for name, grouped in (("plain", None), ("grouped", 2)):
+        kw: dict[str, Any] = {"group_size": grouped} if grouped else {"partition": greedy}
+        with BatchShuffler(token_count, locality=False, executor="thread", **kw) as s:
+            flags = []
+            for done in ((False, False, True), (True, False, True), (True, True, True)):
+                mine = done[rank]
+                h = s.start_shuffle_async(empty if mine else real, exhausted=mine)
+                got = s.finish_shuffle(empty if mine else real, h)
+                flags.append((h.stats.world_exhausted, sum(h.stats.world_real_before), got.actual_batch_size))
+            out[name] = flags
+    with BatchShuffler(token_count, partition=greedy, locality=False) as s:
+        try:  # rank 0 says its data ran out, yet sends real samples
+            s.shuffle(real) if rank else s.finish_shuffle(real, s.start_shuffle_async(real, exhausted=True))
+            out["real"] = "ok"
+        except ValueError as e:
+            out["real"] = str(e)
+        with pytest.raises(TypeError, match=rf"^start_shuffle_async: exhausted=1, expected a bool \(rank {rank}\)$"):
+            s.start_shuffle_async(real, exhausted=1)  # type: ignore[arg-type]
+        out["after"] = s.shuffle(real).actual_batch_size  # still usable
+    return out
+
+
+def test_every_rank_reads_every_ranks_exhausted_flag() -> None:
+    # BalancedLoader learnt that every rank's data had run out from an extra
+    # all-reduce on a gloo group of its own; the flag now rides in the phase-1
+    # header, with and without group_size (whose groups gather full messages
+    # within the group only: the flags come from every rank's header).
+    outs = run_workers(_exhausted_worker, 3, timeout=120)
+    flags = [[False, False, True], [True, False, True], [True, True, True]]
+    for rank, res in enumerate(outs):
+        for name in ("plain", "grouped"):
+            got = res[name]
+            assert [f for f, _, _ in got] == flags, (rank, name, got)
+            assert [r for _, r, _ in got] == [8, 4, 0], (rank, name, got)  # nothing lost or invented
+        assert sum(o[name][1][2] for o in outs) == 4
+        assert res["real"].endswith("invalid shuffle input on rank(s) [0]: exhausted=True with actual_batch_size=4: "
+                                    "a rank whose data has run out shuffles a batch of no real sample "
+                                    "(padding_like) (rank 0)"), res["real"]
+        assert res["after"] + sum(o["after"] for o in outs if o is not res) == 12
+    ident = IdentityBatchShuffler()
+    batch = make_batch(0, 4, 0, seed=5)
+    h = ident.start_shuffle_async(batch, exhausted=True)
+    ident.finish_shuffle(batch, h)
+    assert h.stats.world_exhausted == [True]
+
+
 # ------------------------------------------------------- local paths, W = 1
 def _forbid_collectives(monkeypatch_target: Any) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
