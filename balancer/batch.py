@@ -26,9 +26,11 @@ tensors, a ``JaggedTensor``, a ``KeyedTensor``) is refused: a shuffle would
 leave its rows behind while the samples move. Declare one ``torch.Tensor``
 field per feature, or a KJT; such a container whose tensors describe the whole
 batch rather than its samples may opt out with
-``dataclasses.field(metadata={"balancer": "carry"})`` (carried over unchanged,
-not moved by ``to()``). A ``torch.Tensor`` field is always per sample, marked
-or not.
+``dataclasses.field(metadata={"balancer": "carry"})``: a shuffle, ``index_select``
+and ``pad_batch`` carry it over unchanged, while ``to()``, ``pin_memory()`` and
+``record_stream()`` reach the tensors inside it (dicts, lists, tuples,
+``JaggedTensor``, ``KeyedTensor``), so the pipeline's copy to the device takes
+them along. A ``torch.Tensor`` field is always per sample, marked or not.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
@@ -263,10 +266,17 @@ class BaseBatch(Pipelineable):
                 out = self.to(device, non_blocking)
             out.record_stream(current)
             return out
-        return self.map_tensors(
-            lambda k: k.to(device=device, non_blocking=non_blocking),
-            lambda t: t.to(device=device, non_blocking=non_blocking),
-        )
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, non_blocking=non_blocking)
+
+        return self.map_tensors(lambda k: k.to(device=device, non_blocking=non_blocking), move,
+                                **self._map_carried(move))
+
+    def _map_carried(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+        """Every ``carry`` field with ``fn`` applied to each tensor inside it (rebuilt
+        by ``torch.utils._pytree``: dicts, lists, tuples, ``JaggedTensor``, ``KeyedTensor``)."""
+        return {f.name: pytree.tree_map_only(torch.Tensor, fn, getattr(self, f.name))
+                for f in dataclasses.fields(self) if f.metadata.get("balancer") == "carry"}
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""
@@ -276,12 +286,20 @@ class BaseBatch(Pipelineable):
             kjt.record_stream(stream)  # type: ignore[arg-type]
         for t in self.dense_fields().values():
             t.record_stream(stream)  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
+            if f.metadata.get("balancer") == "carry":
+                for t in pytree.tree_leaves(getattr(self, f.name)):
+                    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                        t.record_stream(stream)  # type: ignore[arg-type]
 
     def pin_memory(self: _B) -> _B:
         """Pinned-memory copy when CUDA is available, else ``self``."""
         if not torch.cuda.is_available() or self.device.type != "cpu":
             return self
-        return self.map_tensors(lambda k: k.pin_memory(), lambda t: t.pin_memory())
+        def pin(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory() if t.device.type == "cpu" else t
+
+        return self.map_tensors(lambda k: k.pin_memory(), pin, **self._map_carried(pin))
 
     def index_select(self: _B, indices: torch.Tensor, actual_batch_size: int | None = None) -> _B:
         """Select samples along the batch dimension.

@@ -387,3 +387,25 @@ def test_a_field_marked_carry_keeps_its_batch_level_tensors() -> None:
     b = CarryBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, table=table)
     assert b.index_select(torch.tensor([2, 0])).table is table
     assert pad_batch(b, 5).table is table
+
+
+def test_to_takes_the_tensors_of_a_carry_field_along() -> None:
+    # to() moved the tensor and KJT fields only: on a GPU the pipeline's copy left a
+    # carry field's tensors on the CPU, next to a batch on the device. The meta
+    # device stands in for CUDA here (the CUDA tier runs the same on a GPU).
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
+    jt = JaggedTensor(values=torch.arange(4.0), lengths=torch.tensor([1, 3]))
+    kt = KeyedTensor(keys=["x"], length_per_key=[2], values=torch.ones(3, 2))
+    table = {"mean": torch.tensor([0.5]), "parts": [jt, (kt, "name")], "step": 7}
+    b = CarryBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, table=table)
+    m = b.to(torch.device("meta"))
+    assert m.features.values().device.type == "meta"
+    moved = m.table
+    assert moved["mean"].device.type == "meta" and moved["step"] == 7 and moved["parts"][1][1] == "name"
+    assert isinstance(moved["parts"][0], JaggedTensor) and moved["parts"][0].values().device.type == "meta"
+    assert isinstance(moved["parts"][1][0], KeyedTensor) and moved["parts"][1][0].values().device.type == "meta"
+    assert moved["parts"][0].lengths().device.type == "meta"
+    assert b.table is table and table["mean"].device.type == "cpu"  # the source batch is unchanged
+    assert b.to(torch.device("cpu")).table["mean"] is table["mean"]  # a no-op copy, as torch's to()

@@ -129,6 +129,22 @@ def test_take_runs_on_cuda(dtype: torch.dtype, use_fbgemm: bool, monkeypatch: py
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_carry_field_goes_to_the_device_with_its_batch() -> None:
+    # tests/test_batch.py checks the same on the meta device.
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+    from tests.test_batch import CarryBatch
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.arange(3), lengths=torch.ones(3, dtype=torch.int64))
+    jt = JaggedTensor(values=torch.arange(4.0), lengths=torch.tensor([1, 3]))
+    b = CarryBatch(features=kjt, batch_size=3, feature_to_max_seqlen={}, table={"mean": torch.ones(1), "jt": jt})
+    g = b.pin_memory().to(torch.device("cuda"), non_blocking=True)
+    assert g.table["mean"].is_cuda and g.table["jt"].values().is_cuda and g.features.values().is_cuda
+    g.record_stream(torch.cuda.current_stream())
+    assert torch.equal(g.table["jt"].values().cpu(), jt.values())
+
+
 @needs_cuda
 @pytest.mark.parametrize("comm", ["all2all", "allgather"])
 def test_simulated_exchange_on_cuda(comm: str) -> None:
