@@ -63,7 +63,7 @@ from balancer._layout import (
 from balancer._limits import MAX_LENGTH
 
 __all__ = [
-    "NO_PREV", "LocalData", "LocalMeta", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",
+    "NO_PREV", "LocalData", "LocalMeta", "NoBatch", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",
     "message",
 ]
 
@@ -79,6 +79,14 @@ class Status:
     NONFINITE = 4  # a real sample's workload is NaN or infinite (detail: its index)
     BAD_REAL = 8  # actual_batch_size outside [0, batch_size]
     BAD_LENGTHS = 16  # a KJT length < 0 or >= 2**31, or values that do not match the lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class NoBatch:
+    """Stands in for a batch a rank cannot give (its loader yielded none to take the
+    layout of): the shuffle fails on every rank, naming ``reason`` and the rank."""
+
+    reason: str
 
 
 @dataclasses.dataclass
@@ -172,6 +180,8 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
 def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMeta,
              base_type: type[Any] | tuple[type[Any], ...]) -> LocalMeta:
     rank = meta.rank
+    if isinstance(batch, NoBatch):
+        return _fail(meta, Status.BAD_INPUT, f"{batch.reason} (rank {rank})")
     if not isinstance(batch, base_type):
         names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
         return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a {names} (rank {rank})")

@@ -74,6 +74,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 from balancer import _comm
+from balancer._protocol import NoBatch
 from balancer.batch import BaseBatch, padding_like
 from balancer.config import BalancerConfig
 from balancer.partition import balanced_partition, karmarkar_karp
@@ -212,8 +213,20 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         collectives stay in step. The pass ends on every rank at the first
         shuffle whose every rank was exhausted (its all-padding batch is
         dropped: :meth:`_drop_if_ended`)."""
-        if self._template is None or not self._communicates or _comm.resolve_group(self._shuffle_pg)[1] == 1:
+        _, world, rank = _comm.resolve_group(self._shuffle_pg)
+        if not self._communicates or world == 1:
             return None
+        if self._template is None:
+            # No batch to take the layout of: the shuffle tells every rank, and each
+            # raises its ValueError in the same step (finished here too: a process
+            # that raised at once could exit before its peers have read it), instead
+            # of leaving them in phase 1 until the timeout while this rank ends its
+            # pass alone.
+            none = NoBatch("the loader yielded no batch before this rank's first shuffle, so it has no layout "
+                           "to take part with; every rank's loader must yield a batch in the first pass")
+            handle = self._shuffler.start_shuffle_async(none, pg=self._shuffle_pg)
+            self._shuffler.finish_shuffle(none, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
+            raise AssertionError("a shuffle of no batch finished")
         self._out = True
         batch = padding_like(self._template)
         with record_function("## balancer.pipeline.start_shuffle ##"):
@@ -302,6 +315,9 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         self._finish_shuffles()
         self._stats.clear()
         self._handles.clear()
+        # The next pass may come from the same iterator object (a DataLoader with
+        # persistent workers hands out the same one every epoch), as in TorchRec.
+        self._source, self._out, self._ended = None, False, False
         super().reset()
 
     def close(self) -> None:

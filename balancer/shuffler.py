@@ -63,7 +63,7 @@ from balancer._gather import host_tensors
 from balancer._groups import form_groups, members_of, widen_splits
 from balancer._handle import BatchT, Outcome, ShuffleHandle, ShufflerBase
 from balancer._header import H_DONE, H_REAL, HEADER_LEN
-from balancer._ints import is_int
+from balancer._ints import as_count, is_int
 from balancer._layout import WireLayout, fingerprint
 from balancer._protocol import (
     NO_PREV,
@@ -769,7 +769,6 @@ class IdentityBatchShuffler(ShufflerBase):
 
     def __init__(self, workload_fn: Callable[[Any], Any] | None = None) -> None:
         super().__init__(workload_fn)
-        self._exhausted: dict[int, bool] = {}  # seq -> start_shuffle_async's flag, until finished
 
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
                             exhausted: bool = False) -> ShuffleHandle:
@@ -777,9 +776,12 @@ class IdentityBatchShuffler(ShufflerBase):
         self._check_open()
         _, _, rank = _comm.resolve_group(pg, "IdentityBatchShuffler")
         _check_exhausted(exhausted, rank)
+        real = as_count(getattr(batch, "actual_batch_size", 0))
+        if exhausted and self._workload_fn is None and real:  # captured otherwise (ValueError from finish)
+            raise ValueError(f"IdentityBatchShuffler: exhausted=True with actual_batch_size={real}: a rank whose "
+                             f"data has run out shuffles a batch of no real sample (padding_like) (rank {rank})")
         t0 = perf_counter()
-        job, meta = None, None
-        self._exhausted[self._next_seq] = bool(exhausted)
+        job, meta = None, LocalMeta(self._next_seq, rank, 0, exhausted=bool(exhausted))  # no workloads: the flag
         if self._workload_fn is not None:
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=_BATCHES,
                            exhausted=bool(exhausted))
@@ -789,13 +791,12 @@ class IdentityBatchShuffler(ShufflerBase):
     def finish_shuffle(self, batch: BatchT, handle: ShuffleHandle, pg: dist.ProcessGroup | None = None) -> BatchT:
         """Returns ``batch`` itself."""
         self._claim(handle)
-        exhausted = self._exhausted.pop(handle.seq, False)
         if handle._job is None:
             b = int(getattr(batch, "batch_size", 0) or 0)
             stats = build_stats(seq=handle.seq, rank=handle.rank, comm="identity", workloads=np.zeros(b),
                                 dest=np.zeros(b, np.int64), real=np.array([b]), lower_bound=0.0,
                                 partition_s=0.0, traffic=Traffic(), background_s=0.0,
-                                exhausted=np.array([exhausted]))
+                                exhausted=np.array([handle._meta is not None and handle._meta.exhausted]))
         else:
             stats = self._wait(handle, None).stats
         self._done(handle, dataclasses.replace(stats, phase1_s=handle.phase1_s))

@@ -7,7 +7,7 @@ of K keys). The table gives the bytes one rank receives per step for W up to
 8192; the formula is checked against the message a real capture produces.
 
 With ``BatchShuffler(group_size=G)`` a rank receives every other rank's
-header and load (152 bytes each) and the full messages of its group only
+header and load (160 bytes each) and the full messages of its group only
 (``gathered_bytes``; the test suite checks the formula against the words a
 real 4-rank run receives).
 

@@ -7,8 +7,8 @@ the straggler the balancer removes.
 
 Data is deterministic per ``(seed, rank)``. Each rank yields ``num_batches``
 batches; the last one holds fewer real samples and is padded with
-:func:`balancer.pad_batch`, so every rank draws the same number of batches (a
-requirement of the pipeline: every shuffle is a collective).
+:func:`balancer.pad_batch` (every rank holds the same number here; the balanced
+pipeline also runs uneven loaders, whose ranks stop together).
 """
 
 from __future__ import annotations

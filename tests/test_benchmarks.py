@@ -86,10 +86,10 @@ def test_bench_scale(tmp_path: Path) -> None:
     assert [r["world"] for r in sizes] == sorted(r["world"] for r in sizes) and sizes
     for r in sizes:  # header + float64 cost + three int32 lengths per sample, from every rank
         for b, nbytes in r["bytes"].items():
-            msg = 8 * (18 + int(b) + -(-3 * int(b) // 2))
+            msg = 8 * (19 + int(b) + -(-3 * int(b) // 2))  # 19 header words (protocol 5)
             assert nbytes == r["world"] * msg, r
             for g, by_b in r["grouped"].items():  # with group_size: every header and load, the group's messages
-                grouped = r["world"] * 8 * 19 + int(g) * msg if r["world"] > int(g) else nbytes
+                grouped = r["world"] * 8 * 20 + int(g) * msg if r["world"] > int(g) else nbytes
                 assert by_b[b] == grouped and by_b[b] <= nbytes, (r, g)
     groups = [r for r in rows if r["bench"] == "scale_grouping"]
     assert groups

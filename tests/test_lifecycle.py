@@ -76,7 +76,7 @@ def test_an_error_exits_the_process_while_a_shuffle_waits_for_a_stalled_peer() -
         for p in procs:
             p.kill()
             p.wait()
-    assert rc == 1 and exited < 15, (rc, exited)  # was 60 s + 5 s of grace
+    assert rc == 1 and exited < 30, (rc, exited)  # ~3 s (the job's grace); was 60 s + 5 s of grace
 
 
 def _close_worker(rank: int, w: int) -> tuple[float, str, float]:

@@ -385,17 +385,32 @@ def test_a_rank_whose_loader_stops_early_keeps_in_step_by_itself(short: int, lat
         assert moved[-1] > 0, res["pipeline"]["imbalance"]  # the last step spread rank 0's samples
 
 
+class _Rearmed:
+    """One iterator object over a new source each epoch, as a DataLoader with
+    persistent workers gives from every ``iter()``."""
+
+    items: Iterator[Any] = iter(())
+
+    def __iter__(self) -> _Rearmed:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.items)
+
+
 def _worker_passes(rank: int, world: int) -> list[Any]:
-    """Three passes of one pipeline: uneven (rank 1 two batches short), empty on
-    every rank, then even: the steps each pass trained and what it drew."""
+    """Five passes of one pipeline: uneven (rank 1 two batches short), empty on
+    every rank, even, then two short ones from one iterator object with reset()
+    between: the steps each pass trained and what it drew."""
     args = parse_args(ARGS)
     model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
     shuffler = BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0)
     pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"), shuffler)
     full = list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=5, max_seqlen=48, seed=3))
-    passes = [full[:3] if rank == 1 else full, [], full]
+    passes = [full[:3] if rank == 1 else full, [], full, full[:2], full[:2]]
     out: list[Any] = []
-    for data in passes:
+    same = _Rearmed()  # the last two passes: one iterator object, reset() between them
+    for i, data in enumerate(passes):
         drawn = [0]
         real = 0
 
@@ -405,7 +420,11 @@ def _worker_passes(rank: int, world: int) -> list[Any]:
                 drawn.append(b.actual_batch_size)
                 yield b
 
-        it = source()
+        it: Iterator[Any] = source()
+        if i >= 3:
+            pipe.reset()
+            same.items = it
+            it = same
         steps = 0
         while True:
             try:
@@ -422,14 +441,44 @@ def _worker_passes(rank: int, world: int) -> list[Any]:
 def test_uneven_empty_and_even_passes_end_together() -> None:
     # The pass state follows the loader iterator: after an uneven pass, a pass
     # every rank starts exhausted ends at once on both (nothing drawn, no step,
-    # no hang), and the next pass trains all its batches again. Every real
-    # sample drawn is trained once.
+    # no hang), and the next pass trains all its batches again. reset() starts a
+    # new pass on the same iterator object (it kept the ended pass: 0 steps). Every
+    # real sample drawn is trained once.
     skip_without_tbe("the example's sharded model")
     r0, r1 = run_workers(_worker_passes, 2, timeout=300)
-    assert [p[:2] for p in r0] == [(5, 5), (0, 0), (5, 5)]
-    assert [p[:2] for p in r1] == [(5, 3), (0, 0), (5, 5)]
+    assert [p[:2] for p in r0] == [(5, 5), (0, 0), (5, 5), (2, 2), (2, 2)]
+    assert [p[:2] for p in r1] == [(5, 3), (0, 0), (5, 5), (2, 2), (2, 2)]
     assert [p[2] for p in r0] == [a[3] + b[3] for a, b in zip(r0, r1, strict=True)]
     assert r1[0][3] > 0 and r0[0][3] > r1[0][3]
+
+
+def _worker_no_first_batch(rank: int, world: int) -> tuple[str, str, float]:
+    args = parse_args(ARGS)
+    model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
+    data = [] if rank == 0 else list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=3, max_seqlen=48, seed=3))
+    pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"),
+                                           BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0))
+    t0 = time.perf_counter()
+    try:
+        pipe.progress(iter(data))
+        return ("trained", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - the kind is part of the result
+        return (type(e).__name__, str(e), time.perf_counter() - t0)
+    finally:
+        pipe.close()
+
+
+def test_a_rank_without_a_first_batch_fails_every_rank_at_once() -> None:
+    # Rank 0 has no batch to take a layout from: it ended its pass alone, and rank 1
+    # waited in phase 1 for the timeout (its next pass would have paired with rank
+    # 0's next one, mixing epochs).
+    skip_without_tbe("the example's sharded model")
+    why = ("the loader yielded no batch before this rank's first shuffle, so it has no layout to take part "
+           "with; every rank's loader must yield a batch in the first pass (rank 0)")
+    (k0, m0, t0), (k1, m1, t1) = run_workers(_worker_no_first_batch, 2, timeout=120)
+    assert k0 == k1 == "ValueError" and m0 == m1, (m0, m1)
+    assert m1 == f"BatchShuffler: shuffle #0: invalid shuffle input on rank(s) [0]: {why}", m1
+    assert t1 < 30, t1  # at once, not after the shuffler's 60 s
 
 
 def _worker_not_a_batch(rank: int, world: int) -> tuple[str, str]:

@@ -461,11 +461,19 @@ def test_every_rank_reads_every_ranks_exhausted_flag() -> None:
                                     "a rank whose data has run out shuffles a batch of no real sample "
                                     "(padding_like) (rank 0)"), res["real"]
         assert res["after"] + sum(o["after"] for o in outs if o is not res) == 12
-    ident = IdentityBatchShuffler()
-    batch = make_batch(0, 4, 0, seed=5)
-    h = ident.start_shuffle_async(batch, exhausted=True)
-    ident.finish_shuffle(batch, h)
-    assert h.stats.world_exhausted == [True]
+    for fn in (None, token_count):
+        ident = IdentityBatchShuffler(fn)
+        batch = make_batch(0, 4, 0, seed=5)
+        h = ident.start_shuffle_async(batch, exhausted=True)
+        ident.finish_shuffle(batch, h)
+        assert h.stats.world_exhausted == [True]
+        h = ident.start_shuffle_async(batch)
+        ident.finish_shuffle(batch, h)
+        assert h.stats.world_exhausted == [False]
+        with pytest.raises(ValueError, match=r"exhausted=True with actual_batch_size=3: a rank whose data has run out "
+                                             r"shuffles a batch of no real sample \(padding_like\) \(rank 0\)$"):
+            real = make_batch(0, 4, 3, seed=5)
+            ident.finish_shuffle(real, ident.start_shuffle_async(real, exhausted=True))
 
 
 # ------------------------------------------------------- local paths, W = 1
