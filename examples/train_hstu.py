@@ -23,7 +23,9 @@ training thread, which leaves out the waits inside collectives). Where ranks sha
 with other work, the step time measures that contention as much as the
 straggler; the slowest rank's compute is what one device per rank would see.
 The defaults (Zipf history lengths up to 2048) make attention dominate the
-step, as in production HSTU.
+step, as in production HSTU. ``--uneven-batches K --no-baseline`` gives rank r
+K * r batches fewer: the balanced modes still run every rank for ``--steps``
+steps (an exhausted rank takes part with batches of no real sample).
 
 CPU + gloo by default; NCCL on ``cuda:LOCAL_RANK`` when CUDA is available (and
 ``--cpu`` is not given). Embedding tables (``--embedding-kernel``): ``fused``
@@ -101,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["hstu", "tokens"], default="hstu",
                    help="per-sample cost: HSTU attention FLOPs or token count")
     p.add_argument("--steps", type=int, default=20, help="batches per rank (the last one is padded)")
+    p.add_argument("--uneven-batches", type=int, default=0, metavar="K",
+                   help="rank r draws K * r batches fewer (uneven shards; needs --no-baseline): the balanced "
+                        "modes run every rank for the longest loader's --steps")
     # Long, heavy-tailed histories: attention dominates the step, as in production
     # HSTU, so the cost model's imbalance is the compute's (on CPU, short
     # histories are dominated by per-sample overhead, which balancing cannot change).
@@ -118,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.log_every < 1:
         p.error(f"--log-every {args.log_every}, expected an int >= 1")
+    if args.uneven_batches < 0:
+        p.error(f"--uneven-batches {args.uneven_batches}, expected an int >= 0")
+    if args.uneven_batches and not (args.no_baseline and (args.enable_balanced_shuffler or args.balanced_loader)):
+        p.error("--uneven-batches needs a balanced mode and --no-baseline: the baselines (TorchRec's pipeline, "
+                "a plain loop) stop each rank at its own count and leave the longer ranks waiting")
     if args.enable_balanced_shuffler and args.balanced_loader:
         p.error("--enable-balanced-shuffler and --balanced-loader are two ways of balancing: pick one")
     if args.embedding_kernel == "dense" and (args.cpu or not torch.cuda.is_available()):
@@ -229,7 +239,12 @@ class Runner:
         self.dmp, self.opt = build_model(args, device, pg)
         self.dmp.train()
         workload_fn = workload_fn_from_args(args)
-        data = SyntheticHSTUData(rank=dist.get_rank(pg), batch_size=args.batch_size, num_batches=args.steps,
+        rank = dist.get_rank(pg)
+        num_batches = args.steps - args.uneven_batches * rank
+        if num_batches < 1:
+            raise ValueError(f"--steps {args.steps} with --uneven-batches {args.uneven_batches} leaves rank {rank} "
+                             f"{num_batches} batches, expected >= 1")
+        data = SyntheticHSTUData(rank=rank, batch_size=args.batch_size, num_batches=num_batches,
                                  dist=args.dist, max_seqlen=args.max_seqlen, seed=args.seed)
         self.tracker = _LoadTracker(data, workload_fn)
         self.pipeline: Any = None

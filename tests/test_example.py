@@ -90,6 +90,17 @@ def test_group_size_on_four_ranks_balances_within_groups() -> None:
     assert max(abs(x - y) for x, y in zip(logs["pipeline"]["loss"], logs["shuffler"]["loss"], strict=True)) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["--enable-balanced-shuffler", "--balanced-loader"])
+def test_uneven_loaders_run_every_rank_for_the_longest_one(mode: str) -> None:
+    # Rank 1 draws one batch fewer (3 of 4): both ranks train 4 steps, balanced.
+    skip_without_tbe("the example's default --embedding-kernel fused")
+    argv = [mode, "--no-baseline", "--uneven-batches", "1"] + SMALL
+    (text, logs), (_, logs1) = run_workers(_worker, 2, argv, timeout=180)
+    (m,) = SUMMARY.finditer(text)
+    assert int(m[2]) == 4 and float(m[4]) < float(m[3]), text
+    assert len(logs[m[1]]["loss"]) == len(logs1[m[1]]["loss"]) == 4
+
+
 def test_readme_command_under_torchrun_prints_no_known_library_warnings() -> None:
     skip_without_tbe("the example's default --embedding-kernel fused")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
@@ -115,5 +126,9 @@ def test_cli_rejects_combinations_that_cannot_run() -> None:
         ex.parse_args(["--embedding-kernel", "dense", "--cpu"])  # FBGEMM's CPU dense lookup pools
     with pytest.raises(SystemExit):
         ex.parse_args(["--log-every", "0"])  # once a ZeroDivisionError on rank 0 after the first step
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--enable-balanced-shuffler", "--uneven-batches", "1"])  # the baseline would hang
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--balanced-loader", "--no-baseline", "--uneven-batches", "-1"])
     assert ex.modes_from_args(ex.parse_args([])) == ["pipeline"]
     assert ex.modes_from_args(ex.parse_args(["--balanced-loader", "--no-baseline"])) == ["loader"]
