@@ -253,9 +253,12 @@ class ShufflerBase:
         """Check that ``handle`` may finish now and (with ``mark``) mark it finished.
 
         Every check depends only on calls every rank makes alike (never on
-        whether the background thread got to a handle), so all ranks agree.
+        whether the background thread got to a handle), so all ranks agree:
+        a handle whose own background work aborted the shuffler finishes with
+        that error (below, in the wait) whether or not the abort came first.
         """
-        self._check_open()
+        if not self._aborted_by(handle):
+            self._check_open()
         if not isinstance(handle, ShuffleHandle) or handle._owner is not self._token:
             raise RuntimeError(f"{handle!r} was not started by this {type(self).__name__}")
         if handle._state.finished:
@@ -269,6 +272,16 @@ class ShufflerBase:
         if mark:
             handle._state.finished = True
             self._pending.pop(handle.seq, None)
+
+    def _aborted_by(self, handle: Any) -> bool:
+        """Whether the shuffler broke in ``handle``'s own background work (and is not
+        closed): finishing it raises that ``ShuffleAbortedError``, as when the caller was
+        already waiting for it (it raised "closed after an aborted shuffle" when the
+        abort came first, a race the late rank of a timed-out shuffle often lost)."""
+        job = getattr(handle, "_job", None)
+        return (self._broken is not None and not self._closed and isinstance(handle, ShuffleHandle)
+                and handle._owner is self._token and job is not None and job.done() and not job.cancelled()
+                and job.exception(0) is self._broken)
 
     def _unclaim(self, handle: ShuffleHandle) -> None:
         """Undo :meth:`_claim`'s mark: ``handle`` may finish again (nothing of it ran)."""
