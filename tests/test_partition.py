@@ -297,8 +297,21 @@ def _equal_partitions(n: int, w: int):  # type: ignore[no-untyped-def]
     yield from rec(tuple(range(n)))
 
 
+@functools.cache
+def _partition_table(n: int, w: int) -> np.ndarray:
+    """Every partition of :func:`_equal_partitions` as one int64 array ``[P, w, n // w]``."""
+    return np.array(list(_equal_partitions(n, w)), dtype=np.int64)
+
+
+def _brute_optimum(x: np.ndarray, w: int) -> Any:
+    """The smallest max part load over every equal-count partition of ``x`` (a Python int or
+    float, exact): each part's items summed in index order, as ``x[list(g)].sum()`` sums them."""
+    return x[_partition_table(x.size, w)].sum(axis=-1).max(axis=-1).min().item()
+
+
 def _optimum(x: np.ndarray, w: int) -> int:
-    return min(max(int(x[list(g)].sum()) for g in part) for part in _equal_partitions(x.size, w))
+    return int(_brute_optimum(x, w)) if x.dtype.kind in "iu" else min(
+        max(int(x[list(g)].sum()) for g in part) for part in _equal_partitions(x.size, w))
 
 
 def test_bound_and_partition_against_brute_force() -> None:
@@ -731,7 +744,7 @@ def test_crowded_bound_against_brute_force(monkeypatch: pytest.MonkeyPatch) -> N
     for trial in range(240):
         w, b = shapes[trial % len(shapes)]
         x = _truncated(rng, w, b, floats=trial % 3 == 0)
-        opt = min(max(float(x[list(g)].sum()) for g in part) for part in _equal_partitions(x.size, w))
+        opt = _brute_optimum(x, w)
         new = lower_bound(x, w)
         with monkeypatch.context() as m:
             m.setattr(_bound, "crowded_bound", lambda v, prefix, w, best: best)
@@ -761,7 +774,7 @@ def test_crowded_average_against_brute_force(monkeypatch: pytest.MonkeyPatch) ->
                             rng.integers(1, 41, n - k) * int(rng.integers(1, 3))])
         rng.shuffle(x)
         x = x * 1.37 if trial % 3 == 0 else x
-        opt = min(max(float(x[list(g)].sum()) for g in part) for part in _equal_partitions(n, w))
+        opt = _brute_optimum(x, w)
         new = lower_bound(x, w)
         with monkeypatch.context() as m:
             m.setattr(_crowded, "crowded_average", lambda *args: 0)
