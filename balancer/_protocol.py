@@ -63,8 +63,8 @@ from balancer._layout import (
 from balancer._limits import MAX_LENGTH
 
 __all__ = [
-    "NO_PREV", "LocalData", "LocalMeta", "NoBatch", "Status", "batch_mismatch", "capture", "layout_description", "lengths_matrix",
-    "message",
+    "NO_PREV", "LocalData", "LocalMeta", "NoBatch", "Status", "batch_mismatch", "capture", "exhausted_problem",
+    "layout_description", "lengths_matrix", "message",
 ]
 
 # ``message``'s ``prev`` before a shuffler's first plan: no shuffle, no digest, no planning group.
@@ -118,6 +118,12 @@ class LocalMeta:
 
     def agreement(self) -> Agreement:
         return Agreement(self.batch_size, self.num_lengths, self.layout_fp)
+
+
+def exhausted_problem(real: int, rank: int) -> str:
+    """Why ``exhausted=True`` with ``real`` real samples is invalid input."""
+    return (f"exhausted=True with actual_batch_size={real}: a rank whose data has run out shuffles a batch "
+            f"of no real sample (padding_like) (rank {rank})")
 
 
 def _fail(meta: LocalMeta, status: int, text: str, cause: BaseException | None = None) -> LocalMeta:
@@ -200,9 +206,7 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
         return _fail(meta, Status.BAD_REAL, f"actual_batch_size={real!r}, expected 0 <= "
                      f"actual_batch_size <= batch_size={b} (rank {rank})")
     if meta.exhausted and meta.real:
-        return _fail(meta, Status.BAD_REAL, f"exhausted=True with actual_batch_size={meta.real}: a rank "
-                     "whose data has run out shuffles a batch of no real sample (padding_like) (rank "
-                     f"{rank})")
+        return _fail(meta, Status.BAD_REAL, exhausted_problem(meta.real, rank))
     problems = layout_problems(batch, layout)
     if problems:
         return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")

@@ -123,8 +123,7 @@ class BaseBatch(Pipelineable):
         behind in a shuffle: its rows would then belong to other samples, silently."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if (isinstance(v, (torch.Tensor, KeyedJaggedTensor)) or f.name in _SETTINGS
-                    or f.metadata.get("balancer") == "carry"):
+            if isinstance(v, (torch.Tensor, KeyedJaggedTensor)) or f.name in _SETTINGS or _is_carry(f):
                 continue
             if _holds_tensors(v):
                 raise TypeError(
@@ -275,8 +274,11 @@ class BaseBatch(Pipelineable):
     def _map_carried(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
         """Every ``carry`` field with ``fn`` applied to each tensor inside it (rebuilt
         by ``torch.utils._pytree``: dicts, lists, tuples, ``JaggedTensor``, ``KeyedTensor``)."""
-        return {f.name: pytree.tree_map_only(torch.Tensor, fn, getattr(self, f.name))
-                for f in dataclasses.fields(self) if f.metadata.get("balancer") == "carry"}
+        return {n: pytree.tree_map_only(torch.Tensor, fn, v) for n, v in self._carried().items()}
+
+    def _carried(self) -> dict[str, Any]:
+        """The fields marked ``carry``, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if _is_carry(f)}
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""
@@ -286,11 +288,9 @@ class BaseBatch(Pipelineable):
             kjt.record_stream(stream)  # type: ignore[arg-type]
         for t in self.dense_fields().values():
             t.record_stream(stream)  # type: ignore[arg-type]
-        for f in dataclasses.fields(self):
-            if f.metadata.get("balancer") == "carry":
-                for t in pytree.tree_leaves(getattr(self, f.name)):
-                    if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                        t.record_stream(stream)  # type: ignore[arg-type]
+        for t in pytree.tree_leaves(list(self._carried().values())):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(stream)  # type: ignore[arg-type]
 
     def pin_memory(self: _B) -> _B:
         """Pinned-memory copy when CUDA is available, else ``self``."""
@@ -470,6 +470,11 @@ _PLAIN = frozenset({int, float, str, bool, bytes, type(None)})
 # reviewer's script, both versions on this box); a container of tensors shows one
 # among its first few.
 _PEEK = 8
+
+
+def _is_carry(f: dataclasses.Field[Any]) -> bool:
+    """Whether field ``f`` is marked ``metadata={"balancer": "carry"}`` (module docstring)."""
+    return f.metadata.get("balancer") == "carry"
 
 
 def _holds_tensors(v: Any, depth: int = 0) -> bool:

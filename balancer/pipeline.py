@@ -386,23 +386,25 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         is drawn until the next pass."""
         if not (stats.world_exhausted and all(stats.world_exhausted)):
             return
-        for pos, ctx in enumerate(self.contexts):
-            if ctx.index == index:
-                del self.batches[pos]
-                del self.contexts[pos]
-                break
+        pos = self._position(index)
+        if pos is not None:
+            del self.batches[pos]
+            del self.contexts[pos]
         self._stats.pop(index, None)
         self._handles.pop(index, None)
         self._ended = True
         logger.debug("balancer: every rank's loader was exhausted at batch %d: the pass ends", index)
 
+    def _position(self, index: int) -> int | None:
+        """Where the batch of context ``index`` is queued (``None``: no longer queued)."""
+        return next((pos for pos, ctx in enumerate(self.contexts) if ctx.index == index), None)
+
     def _replace_queued_batch(self, index: int, batch: BaseBatch) -> None:
-        for pos, ctx in enumerate(self.contexts):
-            if ctx.index == index:
-                self.batches[pos] = batch
-                return
-        # The pipeline was reset while the shuffle was pending: nothing to replace.
-        self._stats.pop(index, None)
+        pos = self._position(index)
+        if pos is not None:
+            self.batches[pos] = batch
+        else:  # the pipeline was reset while the shuffle was pending: nothing to replace
+            self._stats.pop(index, None)
 
     def _queued_batch(self, context: TrainPipelineContext, default: Any) -> Any:
         for pos, ctx in enumerate(self.contexts):

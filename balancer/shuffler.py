@@ -70,6 +70,7 @@ from balancer._protocol import (
     LocalMeta,
     batch_mismatch,
     capture,
+    exhausted_problem,
     layout_description,
     message,
     reraise,
@@ -776,10 +777,9 @@ class IdentityBatchShuffler(ShufflerBase):
         self._check_open()
         _, _, rank = _comm.resolve_group(pg, "IdentityBatchShuffler")
         _check_exhausted(exhausted, rank)
-        real = as_count(getattr(batch, "actual_batch_size", 0))
-        if exhausted and self._workload_fn is None and real:  # captured otherwise (ValueError from finish)
-            raise ValueError(f"IdentityBatchShuffler: exhausted=True with actual_batch_size={real}: a rank whose "
-                             f"data has run out shuffles a batch of no real sample (padding_like) (rank {rank})")
+        real = as_count(getattr(batch, "actual_batch_size", 0)) if exhausted else 0
+        if real and self._workload_fn is None:  # captured otherwise (ValueError from finish)
+            raise ValueError(f"IdentityBatchShuffler: {exhausted_problem(real, rank)}")
         t0 = perf_counter()
         job, meta = None, LocalMeta(self._next_seq, rank, 0, exhausted=bool(exhausted))  # no workloads: the flag
         if self._workload_fn is not None:
