@@ -53,9 +53,11 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +173,7 @@ def header() -> dict[str, Any]:
 
 # ----------------------------------------------------------------- 1. quality and time
 def quality(configs: list[tuple[int, int]], seeds: int, emit: Callable[[dict[str, Any]], None],
-            methods: dict[str, Method]) -> None:
+            methods: dict[str, Method], budget_s: float = 0.2) -> None:
     print("\n## Quality (max/lower_bound - 1: median | worst) and time per call (median ms)\n")
     names = list(methods)
     print(f"| W x B | dist | {' | '.join(names)} |")
@@ -187,7 +189,7 @@ def quality(configs: list[tuple[int, int]], seeds: int, emit: Callable[[dict[str
                     parts = fn(x, w)
                     gaps.append(max_load(x, parts) / lb - 1)
                     if seed == 0:
-                        secs.append(time_call(lambda fn=fn, x=x, w=w: fn(x, w)))
+                        secs.append(time_call(lambda fn=fn, x=x, w=w: fn(x, w), budget_s))
                 med, worst = statistics.median(gaps), max(gaps)
                 emit({"kind": "quality", "W": w, "B": b, "N": w * b, "dist": dist,
                       "method": name, "gap_median": med, "gap_worst": worst,
@@ -295,9 +297,10 @@ def contention_submit(worker: PartitionWorker, x: np.ndarray, w: int, kind: str,
 
 
 def thread_experiment(cases: list[tuple[int, int, float]], steps: int,
-                      emit: Callable[[dict[str, Any]], None], before: Any = None) -> None:
+                      emit: Callable[[dict[str, Any]], None], before: Any = None, textbook: bool = True) -> None:
     """``cases``: (W, B, main-thread work per step in ms); ``before``: an older
-    ``balancer.partition`` (its in-thread call and its child process are measured too)."""
+    ``balancer.partition`` (its in-thread call and its child process are measured too);
+    ``textbook``: the pure-Python KK too (the quality section runs it as well)."""
     print("\n## Thread contention (main thread: fixed work per step, partition submitted at its start)\n")
     print("| W x B | step | method | main thread | main slowdown | latency alone (ms) "
           "| latency contended (ms, median / p90) | ratio |")
@@ -305,7 +308,7 @@ def thread_experiment(cases: list[tuple[int, int, float]], steps: int,
     worker = PartitionWorker()
     workers = {"PartitionWorker.submit, no thread": worker}
     methods: dict[str, Method] = {
-        "textbook KK (pure Python)": ref_kk,
+        **({"textbook KK (pure Python)": ref_kk} if textbook else {}),
         "karmarkar_karp": karmarkar_karp,
         "balanced_partition": balanced_partition,
         "PartitionWorker (in the thread)": worker,
@@ -386,7 +389,6 @@ def load_before(commit: str) -> Any:
     import importlib
     import re
     import subprocess
-    import tempfile
 
     repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     names = subprocess.run(["git", "-C", repo, "ls-tree", "-r", "--name-only", commit, "balancer/"],
@@ -507,16 +509,21 @@ def scale(shapes: list[tuple[int, int]], dists: tuple[str, ...], seeds: int, bef
 LOAD_SHAPES = [(w, b) for w, b in SCALE_SHAPES if w * b == 262_144]  # 131072x2 ... 2x131072
 
 
-def _spin(run: Any, stop: Any, ready: Any) -> None:
-    """A busy process (pure Python, no memory traffic) while ``run`` is set, until ``stop``."""
-    ready.release()
-    while not stop.is_set():
-        if not run.wait(0.05):
-            continue
-        while run.is_set():
-            x = 0
-            for i in range(20_000):
-                x += i * i
+# A busy process (pure Python, no memory traffic) while the file argv[1] exists, until
+# argv[2] does: a bare interpreter (a spawned multiprocessing child re-imports this
+# script, and with it torch and torchrec: ~8 s per spinner on the 2-core box).
+_SPIN = """
+import os, sys, time
+run, stop = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+while not os.path.exists(stop):
+    if not os.path.exists(run):
+        time.sleep(0.005)
+        continue
+    x = 0
+    for i in range(20_000):
+        x += i * i
+"""
 
 
 def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int,
@@ -529,15 +536,13 @@ def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int
     less. CPU time is what the partition costs on a core of its own, as in
     the shuffler's partition child on a host with a core to spare.
     """
-    import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")  # no torch or CUDA state in the spinners
-    run, stop, ready = ctx.Event(), ctx.Event(), ctx.Semaphore(0)
-    spinners = [ctx.Process(target=_spin, args=(run, stop, ready), daemon=True) for _ in range(procs)]
+    flags = tempfile.mkdtemp(prefix="bench_load_")
+    run, stop = os.path.join(flags, "run"), os.path.join(flags, "stop")
+    spinners = [subprocess.Popen([sys.executable, "-c", _SPIN, run, stop], stdout=subprocess.PIPE, text=True)
+                for _ in range(procs)]
     for sp in spinners:
-        sp.start()
-    for _ in spinners:
-        ready.acquire()  # every spawned interpreter has finished its imports
+        assert sp.stdout is not None and sp.stdout.readline().strip() == "ready"
     print(f"\n## Under load: partition_rows quiet vs next to {procs} busy processes on "
           f"{os.cpu_count()} cores (median ms over {reps} calls each, taking turns)\n")
     print("| W x B | dist | quiet wall | quiet CPU | loaded wall | loaded CPU |")
@@ -551,14 +556,14 @@ def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int
                 for _ in range(reps):
                     for mode in ("quiet", "loaded"):
                         if mode == "loaded":
-                            run.set()
+                            open(run, "w").close()
                             time.sleep(0.05)  # the spinners are running
                         c0, t0 = time.thread_time(), time.perf_counter()
                         partition_rows(x, w)
                         t[f"{mode}_wall"].append(time.perf_counter() - t0)
                         t[f"{mode}_cpu"].append(time.thread_time() - c0)
                         if mode == "loaded":
-                            run.clear()
+                            os.remove(run)
                             time.sleep(0.02)  # the spinners finish their last loop
                 ms = {k: 1e3 * statistics.median(v) for k, v in t.items()}
                 emit({"kind": "under_load", "W": w, "B": b, "N": w * b, "dist": dist, "procs": procs,
@@ -566,10 +571,14 @@ def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int
                 print(f"| {w}x{b} | {dist} | {ms['quiet_wall']:.1f} | {ms['quiet_cpu']:.1f} | "
                       f"{ms['loaded_wall']:.1f} | {ms['loaded_cpu']:.1f} |", flush=True)
     finally:
-        stop.set()
-        run.clear()
+        open(stop, "w").close()
         for sp in spinners:
-            sp.join(5)
+            try:
+                sp.wait(5)
+            except subprocess.TimeoutExpired:
+                sp.kill()
+                sp.wait()
+        shutil.rmtree(flags, ignore_errors=True)
 
 
 # ----------------------------------------------------------------- 2b. small inputs
@@ -868,7 +877,7 @@ def crowded(shapes: list[tuple[int, int]], seeds: int, rounds: int, steps: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small subset (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: small subset, few repeats (~25 s)")
     ap.add_argument("--seeds", type=int, default=None, help="instances per config (default 3, quick 1)")
     ap.add_argument("--json-out", default=None, help="write JSON lines here")
     ap.add_argument("--plot", default=None, help="write the scaling plot (time vs N and vs W) here")
@@ -937,20 +946,21 @@ def main() -> None:
     if before is not None:
         methods["before"] = before.balanced_partition
     if args.quick:
+        # A smoke run of every section (the suite runs it): few repeats, times indicative only.
         if want("quality"):
-            quality([(8, 32), (8, 128), (64, 32), (64, 128)], seeds, emit, methods)
+            quality([(8, 32), (8, 128), (64, 32), (64, 128)], seeds, emit, methods, budget_s=0.0)
         if want("scale"):
-            scale([(8192, 32), (1024, 256), (32, 32)], ("zipf", "lognormal"), seeds, before, emit, 3)
+            scale([(8192, 32), (1024, 256), (32, 32)], ("zipf", "lognormal"), seeds, before, emit, 2)
         if want("small"):
-            small([(64, 16), (16, 64)], ("uniform", "zipf"), seeds, before, emit, 5)
+            small([(64, 16), (16, 64)], ("uniform", "zipf"), seeds, before, emit, 3)
         if want("load"):
-            under_load([(8192, 32)], ("zipf", "lognormal"), args.load_procs, emit, 3)
+            under_load([(8192, 32)], ("zipf",), args.load_procs, emit, 2)
         if want("threads"):
-            thread_experiment([(64, 128, args.step_ms)], 10, emit, before)
+            thread_experiment([(64, 128, args.step_ms)], 3, emit, before, textbook=False)
         if want("locality"):
             locality([(4, 128), (8, 128)], seeds, emit)
         if want("tokens"):
-            tokens((8, 16), 5, (None, 1.05, 1.01), emit, before)
+            tokens((8, 16), 2, (None, 1.05, 1.01), emit, before)
         if want("crowded"):
             crowded([(64, 16), (1024, 16)], seeds, 8, 50, emit)
     else:
