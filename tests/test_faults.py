@@ -15,6 +15,7 @@ import random
 import re
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,29 @@ from tests.reference import greedy
 from tests.test_shuffler import TaggedBatch, make_batch, rows, token_count
 
 TIMEOUT = 3.0  # the shuffler timeout of the stall tests (grace: 1.5 s)
+
+
+# The stall tests order their ranks by files in a shared directory, not by fixed
+# sleeps: a flag outside torch.distributed, which the tests take down on purpose.
+def _mark(where: str, name: str) -> None:
+    Path(where, name).touch()
+
+
+def _wait_for(where: str, name: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not Path(where, name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name!r} not marked in {where} within {limit:g} s")
+        time.sleep(0.02)
+
+
+def _leave_together(where: str, rank: int, w: int) -> None:
+    """Wait until every rank got here: rank 0 hosts the store through which peers
+    learn who is missing, so it stays up while they look (as a real job's ranks,
+    still raising at that point, do)."""
+    _mark(where, f"leaving{rank}")
+    for r in range(w):
+        _wait_for(where, f"leaving{r}")
 
 
 def _outcome(fn: Any) -> tuple[str, str, float]:
@@ -190,7 +214,7 @@ def test_an_interrupt_in_user_code_on_one_rank_reaches_every_rank_at_once() -> N
 
 
 # --------------------------------------------------------- stalls and skips
-def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, Any]:
+def _stall_worker(rank: int, w: int, mode: str, where: str) -> tuple[str, str, float, Any, Any]:
     s = BatchShuffler(token_count, timeout=TIMEOUT)
     s.shuffle(make_batch(rank, 8, 8, seed=2))  # groups and agreement in place
     batch = make_batch(rank, 8, 8, seed=3)  # imbalanced: samples move, so phase 2 communicates
@@ -198,11 +222,12 @@ def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, A
     err: Any = None
     try:
         if mode == "no_start" and rank == 1:
-            time.sleep(TIMEOUT + 4)
+            _wait_for(where, "gave_up")  # until rank 0 gave up on it
+            _leave_together(where, rank, w)
             return "slept", "", 0.0, None, None
         h = s.start_shuffle_async(batch)
         if mode == "stall_after_start" and rank == 1:
-            time.sleep(TIMEOUT + 4)
+            _wait_for(where, "gave_up")
         if mode == "skip_finish" and rank == 1:
             del h  # never finished on this rank
             h = s.start_shuffle_async(batch)
@@ -210,19 +235,20 @@ def _stall_worker(rank: int, w: int, mode: str) -> tuple[str, str, float, Any, A
         return "ok", "", time.perf_counter() - t0, None, None
     except ShuffleAbortedError as e:
         err = e
+    finally:
+        if rank == 0:
+            _mark(where, "gave_up")
     dt = time.perf_counter() - t0
     later = _outcome(lambda: s.shuffle(batch))  # the shuffler is closed now
-    # Rank 0 hosts the store through which peers learn who is missing: stay up
-    # while they look (a real job's ranks are still raising at that point).
-    time.sleep(TIMEOUT)
+    _leave_together(where, rank, w)
     return type(err).__name__, str(err), dt, (err.phase, err.missing), later[:2]
 
 
-def _first_start_worker(rank: int, w: int) -> tuple[Any, ...]:
+def _first_start_worker(rank: int, w: int, where: str) -> tuple[Any, ...]:
     s = BatchShuffler(token_count, timeout=TIMEOUT)
     batch = make_batch(rank, 8, 8, seed=3)
     if rank == 1:  # never reaches its first shuffle (e.g. a slow first data load)
-        time.sleep(TIMEOUT + 3)
+        _leave_together(where, rank, w)
         return ("slept",)
     t0 = time.perf_counter()
     h = s.start_shuffle_async(batch)  # does not raise: the error is finish_shuffle's
@@ -231,14 +257,14 @@ def _first_start_worker(rank: int, w: int) -> tuple[Any, ...]:
         return ("ok",)
     except ShuffleAbortedError as e:
         later = _outcome(lambda: s.shuffle(batch))
-        time.sleep(TIMEOUT)  # rank 0 hosts the store: stay up while the peer is still asleep
+        _leave_together(where, rank, w)
         return (type(e).__name__, e.phase, str(e), time.perf_counter() - t0, later[:2])
 
 
-def test_a_peer_that_never_reaches_the_first_shuffle_is_reported_by_finish() -> None:
+def test_a_peer_that_never_reaches_the_first_shuffle_is_reported_by_finish(tmp_path: Path) -> None:
     # The shuffler's groups are created at the first shuffle: a peer that never
     # came made start_shuffle_async itself raise a raw DistStoreError.
-    out = run_workers(_first_start_worker, 2, timeout=60)[0]
+    out = run_workers(_first_start_worker, 2, str(tmp_path), timeout=60)[0]
     kind, phase, msg, dt, later = out
     assert (kind, phase) == ("ShuffleAbortedError", "phase 1"), out
     assert "the shuffler's groups were not set up within its timeout of 3 s: rank(s) [1] never started its " \
@@ -247,34 +273,37 @@ def test_a_peer_that_never_reaches_the_first_shuffle_is_reported_by_finish() -> 
     assert later[0] == "RuntimeError" and "closed after an aborted shuffle" in later[1], later
 
 
-def _two_setups_worker(rank: int, w: int) -> Any:
+def _two_setups_worker(rank: int, w: int, where: str) -> Any:
     first, second = BatchShuffler(token_count, timeout=TIMEOUT), BatchShuffler(token_count, timeout=TIMEOUT)
     batch = make_batch(rank, 8, 8, seed=3)
     if rank == 1:  # the first shuffler's setup fails here, rank 0 being absent
         err = _outcome(lambda: first.shuffle(batch))
-        time.sleep(3 * TIMEOUT + 5)  # then never calls the second
+        _mark(where, "first_failed")
+        _leave_together(where, rank, w)  # never calls the second
         return err[:1]
-    time.sleep(2 * TIMEOUT + 1)
+    _wait_for(where, "first_failed")
     try:
         second.shuffle(batch)
         return ("ok",)
     except ShuffleAbortedError as e:
         return (type(e).__name__, e.missing, str(e))
+    finally:
+        _leave_together(where, rank, w)
 
 
-def test_a_setup_diagnosis_is_not_confused_by_another_shufflers() -> None:
+def test_a_setup_diagnosis_is_not_confused_by_another_shufflers(tmp_path: Path) -> None:
     # Both shufflers' setup keys were the same (shuffle #0 over the same ranks), so
     # rank 1's key from the first made rank 0 report that every rank reached the
     # second one's setup.
-    second, first = run_workers(_two_setups_worker, 2, timeout=90)  # rank 0: the second shuffler
+    second, first = run_workers(_two_setups_worker, 2, str(tmp_path), timeout=90)  # rank 0: the second shuffler
     assert first == ("ShuffleAbortedError",), first
     kind, missing, msg = second
     assert (kind, missing) == ("ShuffleAbortedError", [1]) and "rank(s) [1] never started" in msg, second
 
 
 @pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
-def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> None:
-    outs = run_workers_outcomes(_stall_worker, 2, mode, timeout=60)
+def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str, tmp_path: Path) -> None:
+    outs = run_workers_outcomes(_stall_worker, 2, mode, str(tmp_path), timeout=60)
     assert not any(isinstance(o, WorkerError) for o in outs), outs
     kind, msg, dt, (phase, missing), later = outs[0]
     assert kind == "ShuffleAbortedError" and missing == [1], outs[0]
@@ -286,12 +315,12 @@ def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str) -> No
         assert outs[1][0] == "ShuffleAbortedError" and outs[1][3] == ("phase 1", [0]), outs[1]
 
 
-def _late_worker(rank: int, w: int, settle: bool = False) -> tuple[str, str, Any]:
+def _late_worker(rank: int, w: int, settle: bool, where: str) -> tuple[str, str, Any]:
     s = BatchShuffler(token_count, timeout=TIMEOUT)
     s.shuffle(make_batch(rank, 8, 8, seed=2))
     batch = make_batch(rank, 8, 8, seed=3)
     if rank == 1:
-        time.sleep(TIMEOUT + 3)  # gets there after rank 0 gave up
+        _wait_for(where, "gave_up")  # gets there after rank 0 gave up
     try:
         handle = s.start_shuffle_async(batch)
         while settle and rank == 1 and not handle._job.done():  # type: ignore[union-attr]
@@ -300,12 +329,13 @@ def _late_worker(rank: int, w: int, settle: bool = False) -> tuple[str, str, Any
         return "ok", "", None
     except ShuffleAbortedError as e:
         if rank == 0:
-            time.sleep(TIMEOUT + 3)  # hosts the store: stay up while rank 1 looks
+            _mark(where, "gave_up")
+        _leave_together(where, rank, w)
         return type(e).__name__, str(e), e.missing
 
 
 @pytest.mark.parametrize("settle", [False, True])
-def test_the_late_rank_is_not_told_that_every_rank_reached_it(settle: bool) -> None:
+def test_the_late_rank_is_not_told_that_every_rank_reached_it(settle: bool, tmp_path: Path) -> None:
     # The rank that stalled was told "every rank reached it, but the collective
     # failed: Connection closed by peer", pointing away from itself. (A guess from
     # the reports' wall-clock times told it that it was late, but also told an
@@ -313,7 +343,7 @@ def test_the_late_rank_is_not_told_that_every_rank_reached_it(settle: bool) -> N
     # settle: its phase 1 aborted before it called finish_shuffle, which then
     # raised RuntimeError "closed after an aborted shuffle" instead of the abort
     # (a CI run lost that race without settle).
-    outs = run_workers(_late_worker, 2, settle, timeout=90)
+    outs = run_workers(_late_worker, 2, settle, str(tmp_path), timeout=90)
     assert outs[0][0] == "ShuffleAbortedError" and outs[0][2] == [1], outs[0]
     kind, msg, missing = outs[1]
     assert kind == "ShuffleAbortedError" and missing == [], outs[1]
