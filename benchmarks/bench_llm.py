@@ -59,6 +59,7 @@ from balancer import (  # noqa: E402
     plan_micro_batches,
 )
 from balancer.partition._bound import bound_sorted  # noqa: E402
+from balancer.testing import free_port  # noqa: E402
 from tests.llm_reference import (  # noqa: E402
     greedy_longest_first,
     padded_cost,
@@ -321,7 +322,7 @@ def e2e(quick: bool, emit: Callable[..., None]) -> dict[str, float] | None:
             if quick else ["--steps", "10", "--global-batch", "64", "--max-len", "2048",
                            "--max-tokens", "4096"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master-addr=127.0.0.1", "--master-port=29517",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            os.path.join(ROOT, "examples", "train_llm.py"), "--mode", "compare", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
