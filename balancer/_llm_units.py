@@ -116,7 +116,8 @@ def _sample_costs(lengths: np.ndarray, cost: Any, where: str) -> np.ndarray:
         # Sums per group, micro-batch or rank are taken in the array's dtype: a
         # narrower one wraps (three uint8 costs of 100 summed to 44).
         out = out.astype(np.int64)
-    total = float(out.sum(dtype=np.float64))
+    with np.errstate(over="ignore"):  # an inf total is refused below, not warned about
+        total = float(out.sum(dtype=np.float64))
     if not total < _COST_TOTAL:
         raise ValueError(f"costs sum to {total:.6g}, expected below {_COST_TOTAL:.0e} (bounds and "
                          f"imbalance ratios of larger ones overflow float64): scale them down ({where})")

@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 import pathlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -272,6 +273,12 @@ def test_errors() -> None:
         balanced_partition([1 << 62, 1 << 62], 2)
     with pytest.raises(ValueError, match=r"workloads sum to 2.30584e\+18, expected < 2\*\*61"):
         balanced_partition([1 << 60, 1 << 60], 1)
+    # floats whose sum overflows float64: the same error, and no overflow warning on the way
+    for fn in (balanced_partition, karmarkar_karp, lower_bound):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=r"workloads sum to inf, expected < 2\*\*61"):
+                fn([1e308, 1e308, 1.0, 1.0], 2)
     # below the limit by 1: accepted (float64 sums rounded these totals up to 2**61)
     assert balanced_partition([(1 << 61) - 1], 1) == [[0]]
     assert balanced_partition([1 << 60, (1 << 60) - 1], 2) == [[0], [1]]

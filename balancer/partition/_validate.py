@@ -48,7 +48,8 @@ def as_workloads(workloads: Any, num_parts: int, name: str = "workloads") -> np.
         i = int(np.argmin(x))
         raise ValueError(f"{name}[{i}] = {x[i]}, expected >= 0")
     if n:
-        total: int | float = float(x.sum(dtype=np.float64))
+        with np.errstate(over="ignore"):  # an inf total is refused below, not warned about
+            total: int | float = float(x.sum(dtype=np.float64))
         if total >= MAX_TOTAL * (1 - 1e-9) and x.dtype.kind == "i":
             total = sum(x.tolist())  # near the limit, integers are judged by their exact total
         if total >= MAX_TOTAL:
