@@ -30,6 +30,7 @@ import multiprocessing.context
 import os
 import pickle
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -58,10 +59,41 @@ __all__ = ["WorkerError", "free_port", "run_workers", "run_workers_outcomes"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
+    """A TCP port on 127.0.0.1 that is free now, below the kernel's ephemeral range.
+
+    A rendezvous port is bound seconds after it is chosen (rank 0 imports torch
+    first). A port from the ephemeral range, where the kernel picks the local
+    port of every outgoing connection (gloo's pairs, store clients), could be
+    handed to another process's connection meanwhile; one below that range is
+    only ever taken by an explicit bind. Where the range is unknown (no
+    ``/proc``), the kernel picks one.
+    """
+    low = _ephemeral_low()
+    if low is not None and low > _FIRST_PORT:
+        pick = random.Random()  # seeded from os.urandom: not the global RNG, which tests seed
+        for _ in range(64):
+            port = pick.randrange(_FIRST_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_FIRST_PORT = 20000  # free_port draws from [_FIRST_PORT, the ephemeral range's start)
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), or ``None``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _PRELOAD = ["torch", "torchrec", "balancer"]

@@ -9,8 +9,8 @@ its group, on the rank the reference puts it.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler
 from balancer.testing import HostReadRecorder, WorkerError, run_workers, run_workers_outcomes
 from tests.reference import greedy, scale_free
-from tests.test_faults import TIMEOUT
+from tests.test_faults import TIMEOUT, _leave_together
 from tests.test_loader import FAST, Source, check_batch, padding, real_ids
 from tests.test_loader import B as LOADER_B
 from tests.test_loader import cost as loader_cost
@@ -234,24 +234,24 @@ def test_bad_input_on_one_rank_raises_on_every_rank_with_groups() -> None:
         assert "actual_batch_size=9, expected 0 <= actual_batch_size <= batch_size=6 (rank 2)" in out[1][1]
 
 
-def _stall_worker(rank: int, w: int) -> tuple[str, Any]:
+def _stall_worker(rank: int, w: int, where: str) -> tuple[str, Any]:
     s = BatchShuffler(token_count, group_size=2, timeout=TIMEOUT)
     s.shuffle(make_batch(rank, 8, 8, seed=2))
     batch = make_batch(rank, 8, 8, seed=3)
     h = s.start_shuffle_async(batch)
     try:
-        if rank == 3:
-            time.sleep(TIMEOUT + 4)  # started, then stalls: never takes part in phase 2
+        if rank == 3:  # started, then stalls until the others gave up: never takes part in phase 2
+            _leave_together(where, rank, w)
             return "slept", None
         s.finish_shuffle(batch, h)
         return "ok", None
     except ShuffleAbortedError as e:
-        time.sleep(TIMEOUT)  # rank 0 hosts the store the others read
+        _leave_together(where, rank, w)  # rank 0 hosts the store the others read
         return "aborted", (e.phase, e.missing)
 
 
-def test_a_stalled_peer_is_named_with_groups() -> None:
-    outs = run_workers_outcomes(_stall_worker, 4, timeout=60)
+def test_a_stalled_peer_is_named_with_groups(tmp_path: Path) -> None:
+    outs = run_workers_outcomes(_stall_worker, 4, str(tmp_path), timeout=60)
     assert not any(isinstance(o, WorkerError) for o in outs), outs
     for r in range(3):
         assert outs[r] == ("aborted", ("phase 2", [3])), (r, outs[r])

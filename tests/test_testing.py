@@ -81,6 +81,28 @@ def test_a_dead_rank_is_reported_at_once_not_at_the_timeout() -> None:
         assert "_exit_on_rank1" in outs[0].traceback, outs
 
 
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
+    # From the ephemeral range (bind to port 0), a chosen rendezvous port could become the
+    # local port of another process's outgoing connection before rank 0 bound it: with
+    # two test processes (pytest -n 2) every gloo pair of the other one draws from there.
+    import random
+    import socket
+
+    from balancer.testing import _FIRST_PORT, _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    if low is None or low <= _FIRST_PORT:
+        pytest.skip(f"no ephemeral range below which to choose (its start: {low})")
+    random.seed(0)  # a seeded global RNG (as tests do) must not make processes agree
+    ports = [free_port() for _ in range(50)]
+    assert all(_FIRST_PORT <= p < low for p in ports), ports
+    assert len(set(ports)) > 40, ports  # drawn at random, not one port again and again
+    random.seed(0)
+    assert [free_port() for _ in range(5)] != ports[:5]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free when returned
+
+
 def test_a_taken_rendezvous_port_is_launched_again(monkeypatch: pytest.MonkeyPatch) -> None:
     # Another process took the port between free_port() and rank 0's bind (seen
     # beside a parallel run): rank 0 failed with EADDRINUSE and the other ranks
