@@ -38,7 +38,7 @@ def _mark(where: str, name: str) -> None:
     Path(where, name).touch()
 
 
-def _wait_for(where: str, name: str, limit: float = 30.0) -> None:
+def _wait_for(where: str, name: str, limit: float = 60.0) -> None:
     deadline = time.monotonic() + limit
     while not Path(where, name).exists():
         if time.monotonic() > deadline:
