@@ -244,6 +244,18 @@ def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> list[int] 
     return _absent(f"balancer/setup/{','.join(names)}/{attempt}/", str(dist.get_rank()), names, grace)
 
 
+def setup_failures(ranks: list[int], attempt: str, report: bool = False) -> int | None:
+    """How many ranks (of the group of global ``ranks``) reported that creating the groups of
+    ``attempt`` failed, after adding this rank's report where ``report`` (``None`` if the
+    store cannot be reached). One counter in the default store: one round trip."""
+    key = f"balancer/setup-failed/{','.join(str(r) for r in ranks)}/{attempt}"
+    try:
+        return int(dist.distributed_c10d._get_default_store().add(key, 1 if report else 0))
+    except Exception as e:  # noqa: BLE001 - diagnosis only: the setup goes on (or fails) as before
+        logger.warning("balancer: could not read whether other ranks gave up the setup: %s", e)
+        return None
+
+
 def _absent(prefix: str, mine: str, names: list[str], grace: float) -> list[int] | None:
     """Write ``prefix + mine`` to the default store, then wait up to ``grace`` seconds for
     ``prefix + name`` of every name; the indices of the names still absent (``None`` if the

@@ -676,11 +676,26 @@ class BatchShuffler(ShufflerBase):
             raise self._setup_error
         groups = self._groups.get(id(group))
         if groups is None or groups.user is not group:
+            seq, attempt = self._next_seq, f"{self._instance}/{self._next_seq}"
+            ranks = dist.get_process_group_ranks(group)
+            gave_up = _comm.setup_failures(ranks, attempt)
+            if gave_up:
+                # The others' timeout passed before this rank came: creating the groups now
+                # would wait on their stale gloo addresses, retrying several timeouts long
+                # while they live on (15 s with a timeout of 3 s), instead of failing now.
+                err = ShuffleAbortedError(
+                    f"BatchShuffler: shuffle #{seq} aborted in phase 1 on rank {dist.get_rank(group)}: the "
+                    f"shuffler's groups were not set up: {gave_up} other rank(s) gave up creating them before "
+                    f"this rank started its first shuffle (their timeout of {self.timeout:g} s had passed: "
+                    f"this rank is late, and their errors name the ranks they waited for); the shuffler is "
+                    f"closed{_comm.rank_note(ranks)}", seq=seq, phase="phase 1", missing=[])
+                self._setup_error = err
+                raise err
             try:
                 groups = _comm.create_groups(group, self.timeout)
             except RuntimeError as e:
-                seq, rank = self._next_seq, dist.get_rank(group)
-                ranks = dist.get_process_group_ranks(group)
+                rank = dist.get_rank(group)
+                _comm.setup_failures(ranks, attempt, report=True)
                 note = _comm.rank_note(ranks)
                 if note:  # a subgroup: torch may have named the groups differently on its ranks
                     note += (f"; over a subgroup this also happens where its ranks hold different numbers of "
@@ -688,7 +703,7 @@ class BatchShuffler(ShufflerBase):
                              "created by its members alone by that number (pytorch/pytorch#173608), so create "
                              "the shuffler's groups (connect(pg)) on every rank of the group before groups "
                              "that only some of them join")
-                missing = _comm.missing_at_setup(ranks, f"{self._instance}/{seq}", min(max(self.timeout, _MIN_GRACE_S), _SETUP_GRACE_S))
+                missing = _comm.missing_at_setup(ranks, attempt, min(max(self.timeout, _MIN_GRACE_S), _SETUP_GRACE_S))
                 if missing == []:
                     why = ("every rank reported that the groups could not be created (if this rank started its "
                            "first shuffle after the others' timeout, their errors name it)")

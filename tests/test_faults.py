@@ -301,6 +301,33 @@ def test_a_setup_diagnosis_is_not_confused_by_another_shufflers(tmp_path: Path) 
     assert (kind, missing) == ("ShuffleAbortedError", [1]) and "rank(s) [1] never started" in msg, second
 
 
+def _late_first_worker(rank: int, w: int, where: str) -> tuple[Any, ...]:
+    s = BatchShuffler(token_count, timeout=TIMEOUT)
+    batch = make_batch(rank, 8, 8, seed=3)
+    if rank == 1:  # its setup times out, rank 0 being late; then it lives on (a checkpoint, say)
+        err = _outcome(lambda: s.shuffle(batch))
+        _mark(where, "gave_up")
+        _leave_together(where, rank, w)
+        return err[0], err[1]
+    _wait_for(where, "gave_up")
+    got = _outcome(lambda: s.shuffle(batch))
+    again = _outcome(lambda: s.shuffle(batch))
+    _leave_together(where, rank, w)
+    return got, again[:2]
+
+
+def test_a_rank_late_for_the_first_shuffle_fails_at_once_when_its_peers_gave_up(tmp_path: Path) -> None:
+    # The late rank created the groups anyway: gloo retried its connections to the live
+    # peer's stale address for 15 s (five times the timeout of 3 s; about 25 min with the
+    # default 300 s) before the abort.
+    (kind, msg, dt), again = run_workers(_late_first_worker, 2, str(tmp_path), timeout=90)[0]
+    assert kind == "ShuffleAbortedError", (kind, msg)
+    assert "the shuffler's groups were not set up: 1 other rank(s) gave up creating them before this rank " \
+        "started its first shuffle (their timeout of 3 s had passed: this rank is late" in msg, msg
+    assert dt < TIMEOUT, dt
+    assert again == ("RuntimeError", f"BatchShuffler is closed after an aborted shuffle: {msg}"), again
+
+
 @pytest.mark.parametrize("mode", ["no_start", "stall_after_start", "skip_finish"])
 def test_a_stalled_or_skipping_peer_is_named_within_the_timeout(mode: str, tmp_path: Path) -> None:
     outs = run_workers_outcomes(_stall_worker, 2, mode, str(tmp_path), timeout=60)
