@@ -17,8 +17,9 @@ class ShuffleAbortedError(RuntimeError):
         seq: the shuffle's sequence number on its shuffler.
         phase: ``"phase 1"`` (metadata all-gather, background thread) or
             ``"phase 2"`` (the redistribution).
-        missing: ranks (within the shuffle's group) that did not arrive, or
-            ``None`` when they could not be determined.
+        missing: ranks (within the shuffle's group) that did not arrive, ``[]``
+            on a rank that came late itself (every other rank got there first and
+            gave up), or ``None`` when they could not be determined.
     """
 
     def __init__(self, message: str, *, seq: int, phase: str, missing: list[int] | None) -> None:
