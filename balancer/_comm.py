@@ -240,20 +240,24 @@ def missing_at_setup(ranks: list[int], attempt: str, grace: float) -> list[int] 
     """Ranks (within the group of global ``ranks``) that did not reach the setup ``attempt``
     (the same text on every rank: which shuffler, which shuffle) of a shuffler's groups, as
     :func:`missing_ranks` tells them."""
-    names = [str(r) for r in ranks]
-    return _absent(f"balancer/setup/{','.join(names)}/{attempt}/", str(dist.get_rank()), names, grace)
+    return _absent(_setup_key("setup", ranks, attempt) + "/", str(dist.get_rank()), [str(r) for r in ranks], grace)
 
 
 def setup_failures(ranks: list[int], attempt: str, report: bool = False) -> int | None:
     """How many ranks (of the group of global ``ranks``) reported that creating the groups of
     ``attempt`` failed, after adding this rank's report where ``report`` (``None`` if the
     store cannot be reached). One counter in the default store: one round trip."""
-    key = f"balancer/setup-failed/{','.join(str(r) for r in ranks)}/{attempt}"
+    key = _setup_key("setup-failed", ranks, attempt)
     try:
         return int(dist.distributed_c10d._get_default_store().add(key, 1 if report else 0))
     except Exception as e:  # noqa: BLE001 - diagnosis only: the setup goes on (or fails) as before
         logger.warning("balancer: could not read whether other ranks gave up the setup: %s", e)
         return None
+
+
+def _setup_key(kind: str, ranks: list[int], attempt: str) -> str:
+    """The default store's key of ``kind`` for the setup ``attempt`` over global ``ranks``."""
+    return f"balancer/{kind}/{','.join(str(r) for r in ranks)}/{attempt}"
 
 
 def _absent(prefix: str, mine: str, names: list[str], grace: float) -> list[int] | None:

@@ -542,7 +542,9 @@ def under_load(shapes: list[tuple[int, int]], dists: tuple[str, ...], procs: int
     spinners = [subprocess.Popen([sys.executable, "-c", _SPIN, run, stop], stdout=subprocess.PIPE, text=True)
                 for _ in range(procs)]
     for sp in spinners:
-        assert sp.stdout is not None and sp.stdout.readline().strip() == "ready"
+        said = sp.stdout.readline().strip() if sp.stdout is not None else ""
+        if said != "ready":
+            raise RuntimeError(f"a busy process did not start: it said {said!r}")
     print(f"\n## Under load: partition_rows quiet vs next to {procs} busy processes on "
           f"{os.cpu_count()} cores (median ms over {reps} calls each, taking turns)\n")
     print("| W x B | dist | quiet wall | quiet CPU | loaded wall | loaded CPU |")
