@@ -372,10 +372,13 @@ def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
     n = kjt.stride()
     out = lengths.new_zeros((k, batch_size))
     out[:, :n] = lengths.view(k, n)
-    # Padding samples have zero length, so values and weights are unchanged.
+    # Padding samples have zero length, so values and weights are unchanged, and so are
+    # the per-key lengths where the input has them cached (TorchRec's input dist reads
+    # them; on a device KJT without them that is a host sync).
     return KeyedJaggedTensor(
         keys=kjt.keys(), values=kjt.values(), weights=kjt.weights_or_none(), lengths=out.view(-1),
         stride=batch_size,  # a KJT without keys has no lengths to infer it from
+        length_per_key=kjt.length_per_key_or_none(), offset_per_key=kjt.offset_per_key_or_none(),
     )
 
 
@@ -446,20 +449,33 @@ def padding_like(batch: _T) -> _T:
         tb = batch
 
         def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
-            return t.new_zeros((0, *t.shape[1:])) if tb.packed else torch.full_like(t, pad_value(tb, name))
+            return t.new_zeros((0, *t.shape[1:])) if tb.packed else _filled_like(t, pad_value(tb, name))
         return dataclasses.replace(  # type: ignore[return-value]
-            tb, seq_lens=torch.zeros_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
-            samples={k: torch.zeros_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
+            tb, seq_lens=_filled_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
+            samples={k: _filled_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
     if not isinstance(batch, BaseBatch):
         raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch")
     b = batch.batch_size
 
     def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
         w = k.weights_or_none()
+        keys = len(k.keys())
+        # Per-key lengths known on the host: TorchRec's input dist reads them, and would
+        # read them from the device otherwise (a sync on every step of an exhausted rank).
         return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
                                  weights=None if w is None else w.new_empty(0),
-                                 lengths=torch.zeros_like(k.lengths()), stride=b)
-    return batch.map_tensors(kjt, torch.zeros_like, actual_batch_size=0)  # type: ignore[return-value]
+                                 lengths=_filled_like(k.lengths()), stride=b,
+                                 length_per_key=[0] * keys, offset_per_key=[0] * (keys + 1))
+    return batch.map_tensors(kjt, _filled_like, actual_batch_size=0)  # type: ignore[return-value]
+
+
+def _filled_like(t: torch.Tensor, value: Any = 0) -> torch.Tensor:
+    """``torch.full_like(t, value)``, in pinned host memory where ``t`` is: a copy to the
+    device from pageable memory may make the driver stage it and wait for the stream
+    (TorchRec copies the batch with ``non_blocking=True`` on its memcpy stream)."""
+    if not t.is_pinned():
+        return torch.full_like(t, value)
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True).fill_(value)
 
 
 # Checked by validate() with their own messages.

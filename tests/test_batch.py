@@ -331,6 +331,24 @@ def test_padding_like_keeps_the_layout_and_holds_no_sample() -> None:
         padding_like({"x": 1})
 
 
+def test_padding_and_padded_kjts_carry_their_key_lengths_to_the_device() -> None:
+    # TorchRec's input dist asks every KJT for length_per_key (KJT.dist_splits); a
+    # device KJT without it cached answers with a .tolist(), a host sync. A padding
+    # batch's are zeros, known on the host (a rank out of data shuffled one with
+    # comm "none" and TorchRec read them from the device every step); a padded one's
+    # are its input's (padding samples have zero length). They must survive the copy
+    # to the device (meta stands in for it: nothing can be read there).
+    batch = make_batch(torch.Generator().manual_seed(4), b=5, real=4)
+    meta = torch.device("meta")
+    empty = padding_like(batch).to(meta).features
+    assert empty.length_per_key_or_none() == [0, 0, 0]
+    assert empty.offset_per_key_or_none() == [0, 0, 0, 0]
+    lpk, opk = batch.features.length_per_key(), batch.features.offset_per_key()  # now cached on the input
+    padded = pad_batch(batch, 8).to(meta).features
+    assert padded.length_per_key_or_none() == lpk and padded.offset_per_key_or_none() == opk
+    assert pad_batch(make_batch(torch.Generator().manual_seed(4), b=5), 8).features.length_per_key_or_none() is None
+
+
 def test_a_field_on_another_device_is_refused() -> None:
     # Accepted before: the shuffle then failed in phase 2 on that rank with
     # "Tensor on device meta is not on the expected device cpu!", naming no field.
