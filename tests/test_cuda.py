@@ -35,6 +35,7 @@ import torch.distributed as dist
 from balancer import _gather
 from balancer._gather import host_tensors, take_runs, upload
 from balancer._runs import IndexBlob, plan_runs
+from balancer.batch import padding_like
 from balancer.shuffler import BatchShuffler
 from balancer.testing import run_workers
 from tests.test_exchange import expected, simulate
@@ -143,6 +144,27 @@ def test_a_carry_field_goes_to_the_device_with_its_batch() -> None:
     assert g.table["mean"].is_cuda and g.table["jt"].values().is_cuda and g.features.values().is_cuda
     g.record_stream(torch.cuda.current_stream())
     assert torch.equal(g.table["jt"].values().cpu(), jt.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_padding_of_a_pinned_batch_is_pinned() -> None:
+    # An exhausted rank's padding batch goes to the device by TorchRec's non_blocking copy
+    # like a real one; from pageable memory the driver may stage it and wait for the
+    # stream. (Pinned memory needs a CUDA build: the CPU checks are in test_batch.py.)
+    from balancer import TokenBatch, padding_like
+    from tests.test_batch import make_batch
+
+    batch = make_batch(torch.Generator().manual_seed(0), b=4, real=3).pin_memory()
+    empty = padding_like(batch)
+    held = [empty.features.lengths(), empty.labels, empty.dense]
+    assert all(t.is_pinned() for t in held) and not any(t.any() for t in held)
+    assert empty.dense.stride() == batch.dense.stride()
+    tokens = TokenBatch(batch_size=2, seq_lens=torch.tensor([3, 1]), tokens={"ids": torch.ones(2, 3, dtype=torch.int64)},
+                        samples={"r": torch.ones(2)}, pad_values={"ids": -1}).pin_memory()
+    t = padding_like(tokens)
+    assert t.seq_lens.is_pinned() and t.tokens["ids"].is_pinned() and t.samples["r"].is_pinned()
+    assert (t.tokens["ids"] == -1).all() and not t.seq_lens.any()
+    assert not padding_like(make_batch(torch.Generator().manual_seed(0), b=4)).dense.is_pinned()
 
 
 @needs_cuda
@@ -328,7 +350,10 @@ class _TinyModel(torch.nn.Module):
 
 
 def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
-                     calibrate: bool = False) -> dict[str, Any]:
+                     calibrate: bool = False, short: int = 0) -> dict[str, Any]:
+    """Train 8 batches. ``short``: rank 1's loader holds that many fewer, and the
+    unbalanced run takes part with padding batches in their place (what the balanced
+    pipeline does by itself)."""
     from torchrec.distributed import DistributedModelParallel
 
     from balancer.loss import global_loss_value
@@ -346,7 +371,7 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
     shuffler = BatchShuffler(token_count, calibrate=calibrate) if balanced else IdentityBatchShuffler()
     pipe = BalancedTrainPipelineSparseDist(model, opt, dev, shuffler)
     guard, exempt = _guards(dev)
-    for hook in ("_start_shuffle", "_finish_shuffles"):  # the balancing hooks, under the debug mode
+    for hook in ("_start_shuffle", "_ran_out", "_finish_shuffles"):  # the balancing hooks, under the debug mode
         real = getattr(pipe, hook)
 
         def checked(*a: Any, _real: Any = real, **k: Any) -> Any:
@@ -355,6 +380,8 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
 
         setattr(pipe, hook, checked)
     data = [make_batch(rank, 8, 8 if step < 7 else 5, seed=70 + step, labels="dense") for step in range(8)]
+    if short and rank == 1:
+        data = data[:-short] + ([] if balanced else [padding_like(data[-short - 1])] * short)
     it = iter([d.pin_memory() for d in data])
     losses = []
     while True:
@@ -369,11 +396,13 @@ def _pipeline_worker(rank: int, w: int, balanced: bool, device: str = "cuda",
     return {"losses": losses, "params": params, "observations": sum(len(f._times) for f in fits)}
 
 
-def check_pipeline_runs(device: str) -> None:
-    """Balanced, balanced with online calibration, and unbalanced: the same training."""
-    off = run_workers(_pipeline_worker, 2, False, device, timeout=300)
-    for calibrate in (False, True):
-        on = run_workers(_pipeline_worker, 2, True, device, calibrate, timeout=300)
+def check_pipeline_runs(device: str, short: int = 0) -> None:
+    """Balanced, balanced with online calibration, and unbalanced: the same training. With
+    ``short`` (uneven loaders: rank 1 runs out first) balanced only, against unbalanced
+    with explicit padding batches."""
+    off = run_workers(_pipeline_worker, 2, False, device, False, short, timeout=300)
+    for calibrate in (False, True) if not short else (False,):
+        on = run_workers(_pipeline_worker, 2, True, device, calibrate, short, timeout=300)
         for a, b in zip(on, off, strict=True):
             assert len(a["losses"]) == len(b["losses"]) == 8
             np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
@@ -386,3 +415,10 @@ def check_pipeline_runs(device: str) -> None:
 @needs_cuda
 def test_balanced_pipeline_on_cuda_matches_unbalanced() -> None:
     check_pipeline_runs("cuda")
+
+
+@needs_cuda
+def test_balanced_pipeline_on_cuda_with_uneven_loaders_matches_padded() -> None:
+    # A rank out of data takes part with padding batches (pipeline._ran_out), and the
+    # pass ends on every rank at the first all-padding shuffle; not yet run on a GPU.
+    check_pipeline_runs("cuda", short=2)

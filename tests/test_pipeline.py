@@ -614,3 +614,9 @@ def test_the_cuda_tiers_pipeline_check_on_cpu() -> None:
     from tests.test_cuda import check_pipeline_runs
 
     check_pipeline_runs("cpu")
+
+
+def test_the_cuda_tiers_uneven_pipeline_check_on_cpu() -> None:
+    from tests.test_cuda import check_pipeline_runs
+
+    check_pipeline_runs("cpu", short=2)
