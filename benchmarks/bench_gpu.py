@@ -421,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "cost": coeffs[a.kk_cost], "cost_model": a.kk_cost, "batch_size": a.shuffle_batch_size,
                    "steps": a.shuffle_steps, "reps": a.shuffle_reps, "max_len": a.max_len, "alpha": a.alpha,
                    "seed": a.seed}
-            sh = _gpu_shuffle.summarize(cfg, run_workers(_gpu_shuffle.worker, 2, cfg, timeout=1800))
+            sh = _gpu_shuffle.summarize(cfg, run_workers(_gpu_shuffle.worker, 2, cfg, timeout=300))
             f.write(json.dumps({"bench": "gpu_shuffle", **env, **meta, **sh}) + "\n")
             print("\n" + _gpu_shuffle.format_table(sh))
     if a.plot:

@@ -12,10 +12,12 @@
 #
 # A GPU machine with torch but no package index (the image this project's
 # device runs use): prepare the bundle here first, then copy .gpu/ along:
-#   bash scripts/gpu_checks.sh --prepare         # .gpu/site.tar.xz + .gpu/extra/*.whl
+#   bash scripts/gpu_checks.sh --prepare         # .gpu/site.tar.xz + .gpu/extra/*.whl + .gpu/plugins/*.whl
 # The run unpacks .gpu/site.tar.xz (TorchRec + slim FBGEMM-GPU, built by
 # ../shared/tools/gpu_bundle.sh) and the pure-Python wheels in .gpu/extra
-# (pytest and its dependencies) into /tmp/site, first on PYTHONPATH.
+# (pytest and its dependencies) and .gpu/plugins (pytest-xdist, execnet,
+# pytest-timeout) into /tmp/site, first on PYTHONPATH. scripts/gpu_run.sh is
+# the one bounded device call built on this script (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +28,10 @@ if [ "${1:-}" = "--prepare" ]; then
   mkdir -p .gpu/extra
   python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/extra \
     pytest pluggy iniconfig packaging pygments
-  ls -la .gpu .gpu/extra
+  mkdir -p .gpu/plugins
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/plugins \
+    pytest-xdist execnet pytest-timeout
+  ls -la .gpu .gpu/extra .gpu/plugins
   exit 0
 fi
 
@@ -39,14 +44,21 @@ if [ -f .gpu/site.tar.xz ]; then
   # side) never extract over each other's imports.
   if [ ! -f /tmp/site/.balancer_unpacked ]; then
     mkdir -p /tmp/site
-    tar xJf .gpu/site.tar.xz -C /tmp/site
+    tar xJf .gpu/site.tar.xz -C /tmp/site || { echo "unpacking .gpu/site.tar.xz failed: rebuild it with --prepare"; exit 1; }
     # pytest's wheels only where the image has no pytest: a newer pytest
-    # first on the path would meet the image's own plugins.
+    # first on the path would meet the image's own plugins. Each plugin only
+    # where the image lacks it.
     if ! "$py" -c "import pytest" 2>/dev/null; then
       for whl in .gpu/extra/*.whl; do
         [ -f "$whl" ] && "$py" -m zipfile -e "$whl" /tmp/site
       done
     fi
+    for plugin in xdist:pytest_xdist execnet:execnet pytest_timeout:pytest_timeout; do
+      "$py" -c "import ${plugin%%:*}" 2>/dev/null && continue
+      for whl in .gpu/plugins/"${plugin##*:}"-*.whl; do
+        [ -f "$whl" ] && "$py" -m zipfile -e "$whl" /tmp/site
+      done
+    done
     touch /tmp/site/.balancer_unpacked
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -96,8 +108,13 @@ assert out.tolist() == [1, 2, 0], out
 print('permute_1D_sparse_data on', out.device, out.tolist())
 "
 fi
+# A stalled test fails with every thread's stack (pytest-timeout) instead of
+# eating the device time.
+timeout_opt() { "$py" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$1"; }
 if want cuda_tier; then
-  run_step cuda_tier "$py" -m pytest -m cuda -rs -q -p no:cacheprovider --junitxml="$out/cuda_tier.xml"
+  # shellcheck disable=SC2046
+  run_step cuda_tier "$py" -m pytest -m cuda -rs -q -p no:cacheprovider --junitxml="$out/cuda_tier.xml" \
+    $(timeout_opt "${CUDA_TIER_TEST_TIMEOUT:-150}")
 fi
 if want bench_quick; then
   run_step bench_quick "$py" benchmarks/bench_gpu.py --quick --device cuda --json-out "$out/gpu_quick.jsonl"
@@ -121,10 +138,15 @@ if want llm; then
 fi
 if want suite; then
   extra=()
-  # A stalled test fails with every thread's stack (pytest-timeout) instead of
-  # eating the device time; SUITE_WORKERS=N runs N in parallel (pytest-xdist).
-  "$py" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${SUITE_TEST_TIMEOUT:-240}")
-  [ -n "${SUITE_WORKERS:-}" ] && "$py" -c "import xdist" 2>/dev/null && extra+=(-n "$SUITE_WORKERS")
+  # SUITE_WORKERS=N runs N in parallel (pytest-xdist).
+  t=$(timeout_opt "${SUITE_TEST_TIMEOUT:-240}") && extra+=("$t")
+  if [ -n "${SUITE_WORKERS:-}" ]; then
+    if "$py" -c "import xdist" 2>/dev/null; then
+      extra+=(-n "$SUITE_WORKERS")
+    else
+      echo "SUITE_WORKERS=$SUITE_WORKERS but pytest-xdist is missing: the suite runs in one process (long)"
+    fi
+  fi
   # -v: one line per finished test, so that the names survive a run killed
   # before pytest's summary (the junit XML is written only at the end).
   run_step suite "$py" -m pytest -v -rs -p no:cacheprovider --junitxml="$out/suite.xml" --durations=15 \
