@@ -229,16 +229,25 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
         if w.layout != torch.strided or w.device.type == "meta":  # the copy below would raise on this rank only
             return _fail(meta, Status.BAD_INPUT, f"workloads is a {w.layout} tensor on {w.device}, expected a "
                          f"dense tensor with values (rank {rank})")
-    parts = [w.to(device=batch.device, dtype=torch.float64, non_blocking=True).view(torch.int64)]
-    parts += [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
-    part = torch.cat(parts)
-    if part.device.type == "cuda":
-        meta.host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
-        meta.host.copy_(part, non_blocking=True)
-        meta.event = torch.cuda.Event()
-        meta.event.record(torch.cuda.current_stream(part.device))
-    else:
-        meta.host = part
+    if w.device != batch.device and "cpu" not in (w.device.type, batch.device.type):
+        w = w.to(batch.device, non_blocking=True)  # another accelerator: one device to wait for
+    w = w.to(torch.float64).view(torch.int64)
+    lengths = [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
+    cuda = next((t.device for t in (w, *lengths) if t.device.type == "cuda"), None)
+    if cuda is None:
+        meta.host = torch.cat([w, *lengths])
+        return meta
+    # Costs and lengths go to one pinned host buffer, each from where it is: a device
+    # part by a non_blocking copy that the background thread waits for (the event),
+    # a host part by a plain copy. (Costs computed on the device for a host batch came
+    # back by a non_blocking copy that nothing waited for, and were read before it
+    # landed; host costs for a device batch went to the device and back.)
+    meta.host = torch.empty(b + sum(t.numel() for t in lengths), dtype=torch.int64, pin_memory=True)
+    meta.host[:b].copy_(w, non_blocking=True)
+    if lengths:
+        meta.host[b:].copy_(torch.cat(lengths), non_blocking=True)
+    meta.event = torch.cuda.Event()
+    meta.event.record(torch.cuda.current_stream(cuda))
     return meta
 
 

@@ -590,6 +590,31 @@ def test_cuda_single_rank() -> None:
     assert h.stats.load_before == [int(token_count(batch)[:4].sum())]
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("costs_on", ["cuda", "cpu"])
+def test_cuda_costs_on_another_device_than_the_batch(costs_on: str) -> None:
+    # Costs computed on the device for a host batch (the pipeline's phase 1 sees the
+    # host batch) came back by a non_blocking copy that nothing waited for, and were
+    # read before they landed; host costs for a device batch went there and back.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    host = make_batch(0, 6, 4, seed=0)
+    want = [float(token_count(host)[:4].sum())]
+    on_device = token_count(host).double().cuda()
+
+    def device_costs(b: Any) -> torch.Tensor:
+        torch.cuda._sleep(10**9)  # still queued behind this when phase 1 returns
+        return on_device * 1.0
+
+    batch = host if costs_on == "cuda" else host.to(torch.device("cuda"))
+    fn = device_costs if costs_on == "cuda" else (lambda b: token_count(host))
+    s = BatchShuffler(fn, partition=greedy, locality=False)
+    h = s.start_shuffle_async(batch)
+    s.finish_shuffle(batch, h)
+    assert h.stats.load_before == want
+    s.close()
+
+
 # ------------------------------------------------------------- edge cases
 def _edge_worker(rank: int, w: int) -> dict[str, Any]:
     from balancer.workloads import PolynomialCost
