@@ -49,6 +49,7 @@ from torchrec.streamable import Pipelineable
 
 from balancer._ints import as_count, is_int
 from balancer._kjt import kjt_index_select
+from balancer._pinned import filled_like, new_full
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
     lengths = kjt.lengths()
     k = len(kjt.keys())
     n = kjt.stride()
-    out = lengths.new_zeros((k, batch_size))
+    out = new_full(lengths, (k, batch_size))  # pinned where the input is (balancer._pinned)
     out[:, :n] = lengths.view(k, n)
     # Padding samples have zero length, so values and weights are unchanged, and so are
     # the per-key lengths where the input has them cached (TorchRec's input dist reads
@@ -383,7 +384,7 @@ def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
 
 
 def _pad_dense(t: torch.Tensor, batch_size: int) -> torch.Tensor:
-    out = t.new_zeros((batch_size, *t.shape[1:]))
+    out = new_full(t, (batch_size, *t.shape[1:]))
     out[: t.shape[0]] = t
     return out
 
@@ -449,10 +450,10 @@ def padding_like(batch: _T) -> _T:
         tb = batch
 
         def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
-            return t.new_zeros((0, *t.shape[1:])) if tb.packed else _filled_like(t, pad_value(tb, name))
+            return t.new_zeros((0, *t.shape[1:])) if tb.packed else filled_like(t, pad_value(tb, name))
         return dataclasses.replace(  # type: ignore[return-value]
-            tb, seq_lens=_filled_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
-            samples={k: _filled_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
+            tb, seq_lens=filled_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
+            samples={k: filled_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
     if not isinstance(batch, BaseBatch):
         raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch")
     b = batch.batch_size
@@ -464,18 +465,11 @@ def padding_like(batch: _T) -> _T:
         # read them from the device otherwise (a sync on every step of an exhausted rank).
         return KeyedJaggedTensor(keys=k.keys(), values=k.values().new_empty(0),
                                  weights=None if w is None else w.new_empty(0),
-                                 lengths=_filled_like(k.lengths()), stride=b,
+                                 lengths=filled_like(k.lengths()), stride=b,
                                  length_per_key=[0] * keys, offset_per_key=[0] * (keys + 1))
-    return batch.map_tensors(kjt, _filled_like, actual_batch_size=0)  # type: ignore[return-value]
+    return batch.map_tensors(kjt, filled_like, actual_batch_size=0)  # type: ignore[return-value]
 
 
-def _filled_like(t: torch.Tensor, value: Any = 0) -> torch.Tensor:
-    """``torch.full_like(t, value)``, in pinned host memory where ``t`` is: a copy to the
-    device from pageable memory may make the driver stage it and wait for the stream
-    (TorchRec copies the batch with ``non_blocking=True`` on its memcpy stream)."""
-    if not t.is_pinned():
-        return torch.full_like(t, value)
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True).fill_(value)
 
 
 # Checked by validate() with their own messages.

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from balancer._ints import as_count, is_int
+from balancer._pinned import new_full
 
 __all__ = ["TokenBatch"]
 
@@ -217,10 +218,11 @@ class TokenBatch:
         batch_size = size
         if batch_size == self.batch_size:
             return self
-        extra = batch_size - self.batch_size
 
         def grow(t: torch.Tensor, value: int | float = 0) -> torch.Tensor:
-            return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+            out = new_full(t, (batch_size, *t.shape[1:]), value)  # pinned where t is (balancer._pinned)
+            out[: t.shape[0]] = t
+            return out
 
         tokens = self.tokens if self.packed else {k: grow(v, pad_value(self, k)) for k, v in self.tokens.items()}
         return dataclasses.replace(self, batch_size=batch_size, seq_lens=grow(self.seq_lens), tokens=tokens,

@@ -151,7 +151,7 @@ def test_padding_of_a_pinned_batch_is_pinned() -> None:
     # An exhausted rank's padding batch goes to the device by TorchRec's non_blocking copy
     # like a real one; from pageable memory the driver may stage it and wait for the
     # stream. (Pinned memory needs a CUDA build: the CPU checks are in test_batch.py.)
-    from balancer import TokenBatch, padding_like
+    from balancer import TokenBatch, pad_batch, padding_like
     from tests.test_batch import make_batch
 
     batch = make_batch(torch.Generator().manual_seed(0), b=4, real=3).pin_memory()
@@ -165,6 +165,13 @@ def test_padding_of_a_pinned_batch_is_pinned() -> None:
     assert t.seq_lens.is_pinned() and t.tokens["ids"].is_pinned() and t.samples["r"].is_pinned()
     assert (t.tokens["ids"] == -1).all() and not t.seq_lens.any()
     assert not padding_like(make_batch(torch.Generator().manual_seed(0), b=4)).dense.is_pinned()
+    # Padding added to a pinned batch (pad_batch, TokenBatch.pad) is pinned too.
+    padded = pad_batch(batch, 6)
+    assert all(x.is_pinned() for x in (padded.features.lengths(), padded.labels, padded.dense))
+    assert torch.equal(padded.dense[:4], batch.dense) and not padded.dense[4:].any()
+    grown = tokens.pad(4)
+    assert grown.seq_lens.is_pinned() and grown.tokens["ids"].is_pinned() and grown.samples["r"].is_pinned()
+    assert grown.seq_lens.tolist() == [3, 1, 0, 0] and (grown.tokens["ids"][2:] == -1).all()
 
 
 @needs_cuda
