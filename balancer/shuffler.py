@@ -536,7 +536,11 @@ class BatchShuffler(ShufflerBase):
                                             world_load_before=job[0].tolist(), world_real_before=job[1].tolist(),
                                             world_exhausted=(job[2] != 0).tolist())
                 dest = members[dest]
-            blob = host_tensors(ex.blob, pin=torch.cuda.is_available()) if ex is not None else None
+            # Pinned for a non_blocking upload where phase 2 may run on CUDA (the
+            # pipeline plans on the host batch and exchanges its device copy): not
+            # before this process uses CUDA, where pinning would create a CUDA
+            # context (on device 0, from this thread) for CPU batches on a GPU host.
+            blob = host_tensors(ex.blob, pin=torch.cuda.is_initialized()) if ex is not None else None
             stats = dataclasses.replace(stats, background_s=perf_counter() - t0)
             return Outcome(ex, blob, meta.layout, stats, dest, join=members is not None,
                            length=stay_length(meta) if ex is None else 0)
