@@ -327,12 +327,15 @@ def _agree(k: int, fingerprints: list[int], failed: bool, pg: ProcessGroup | Non
            ) -> tuple[int, int, list[int]]:
     """One all-reduce (MAX): ``(max k, a failed rank or -1, indices of the settings that
     differ between ranks)``."""
-    device = torch.device("cpu")
-    if dist.get_backend(pg) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
     rank = dist.get_rank(pg)
     msg = torch.tensor([k, rank + 1 if failed else 0, *fingerprints, *(-f for f in fingerprints)],
-                       dtype=torch.int64, device=device)
+                       dtype=torch.int64)
+    if dist.get_backend(pg) == "nccl":
+        # The group's own device where it is bound (init_process_group(device_id=...)):
+        # a thread other than the one that set the current device sees device 0.
+        group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+        bound = getattr(group, "bound_device_id", None)
+        msg = msg.to(bound if bound is not None else torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=pg)
     # A few integers, needed on the host to plan: the one device sync of the call.
     top_k, bad, *fps = msg.tolist()
@@ -546,7 +549,10 @@ def plan_micro_batches(
             same micro-batch (a group must fit the budget).
         padded: micro-batches are padded to their longest sample.
         pg: the data-parallel group for the agreement (``None``: the default
-            group, resolved at call time).
+            group, resolved at call time). A gloo group can agree from any thread;
+            on an NCCL group the all-reduce runs on the group's device and must
+            be issued in the same order as the training loop's collectives on that
+            group (call it on the training thread, or pass a gloo group).
         sync: agree on ``k`` across ``pg`` (set ``False`` on a single
             controller that plans for everyone).
 
