@@ -444,8 +444,11 @@ class BatchShuffler(ShufflerBase):
                         assert outcome.layout is not None and outcome.blob is not None, "an exchange is planned"
                         out, collective_s = _comm.execute(batch, outcome.layout, outcome.exchange, outcome.blob,
                                                           target, replace_unchecked)
-                except RuntimeError as e:
+                except BaseException as e:
                     if target is groups.user:
+                        self._out_of_step(e, handle.seq, rank)
+                        raise
+                    if not isinstance(e, RuntimeError):
                         raise
                     self._abort(e, groups, handle.seq, "phase 2", perf_counter() - t_phase2)
         stats = dataclasses.replace(outcome.stats, phase1_s=handle.phase1_s, phase2_s=perf_counter() - t0,
@@ -610,6 +613,21 @@ class BatchShuffler(ShufflerBase):
             return fn(*args)
         except RuntimeError as e:  # gloo timeouts and lost peers raise (DistBackendError is one)
             self._abort(e, groups, seq, phase, perf_counter() - t0)
+
+    def _out_of_step(self, error: BaseException, seq: int, rank: int) -> None:
+        """Phase 2 failed on this rank around its collective on the caller's group (NCCL:
+        no timeout of ours applies there). The peers may have issued theirs, so that group
+        is out of step: a later collective on it would be paired with theirs. The shuffler
+        is closed, and ``error`` (raised as itself: an out-of-memory handler still sees
+        its type) says why the process should end."""
+        note = (f"BatchShuffler: phase 2 of shuffle #{seq} failed on rank {rank} around its collective on "
+                f"the caller's process group; the other ranks may have issued theirs, so that group is out "
+                f"of step (its next collective would be paired with theirs) and they wait until its own "
+                f"timeout: end this process. The shuffler is closed")
+        self._broken = RuntimeError(f"{note}: {type(error).__name__}: {error}")
+        logger.error("%s: %s: %s", note, type(error).__name__, error)
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(note)
 
     def _abort(self, cause: BaseException, groups: ShuffleGroups, seq: int, phase: str,
                waited: float | None = None) -> None:

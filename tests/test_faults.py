@@ -564,3 +564,46 @@ def test_randomised_faults_never_hang_or_abort() -> None:
         assert f"[{bad}]" in msg or f"rank {bad}" in msg, (i, fault, bad, msg)
     assert all(res[-1][2] == "ok" for res in per_rank)  # the shared shuffler is still usable
 
+
+
+# ------------------------------------------------ phase 2 on the caller's group
+def _phase2_on_callers_group_fails_worker(rank: int, w: int, where: str) -> dict[str, Any]:
+    from balancer import _comm
+
+    # Phase 2 of a CUDA batch runs on the caller's NCCL group, where no timeout of
+    # ours applies; the caller's gloo group stands in for it here.
+    _comm.ShuffleGroups.phase2_group = lambda self, device: self.user  # type: ignore[method-assign]
+    s = BatchShuffler(token_count, partition=greedy, locality=False, timeout=20)
+    batch = make_batch(rank, 6, 6, seed=1)
+    h = s.start_shuffle_async(batch)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected while packing)")
+
+        _comm.execute = out_of_memory  # type: ignore[assignment]
+        try:
+            s.finish_shuffle(batch, h)
+        except torch.OutOfMemoryError as e:  # raised as itself, for the caller's handler
+            out["raised"] = (type(e).__name__, getattr(e, "__notes__", []))
+        try:
+            s.start_shuffle_async(batch)
+        except RuntimeError as e:
+            out["next"] = str(e)
+    _leave_together(where, rank, w)  # rank 0 hosts the store; its phase 1 is done once rank 1's is
+    s.close()  # rank 0 leaves its phase 2 alone: on NCCL it would wait for the group's own timeout
+    return out
+
+
+def test_a_failure_around_phase_2_on_the_callers_group_closes_the_shuffler(tmp_path: Path) -> None:
+    # It was raised, the shuffler left open: a rank that caught the out-of-memory error
+    # and went on paired its next collective on that group with its peers' pending
+    # all-to-all (on NCCL, a hang until the watchdog or wrong data).
+    res = run_workers(_phase2_on_callers_group_fails_worker, 2, str(tmp_path), timeout=120)
+    name, notes = res[1]["raised"]
+    assert name == "OutOfMemoryError"
+    want = ("BatchShuffler: phase 2 of shuffle #0 failed on rank 1 around its collective on the caller's "
+            "process group; the other ranks may have issued theirs, so that group is out of step")
+    if hasattr(BaseException, "add_note"):
+        assert any(n.startswith(want) for n in notes), notes
+    assert res[1]["next"].startswith("BatchShuffler is closed after an aborted shuffle: " + want), res[1]["next"]
