@@ -298,7 +298,7 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             return None
         if self._device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))  # the training device's, whatever is current
             return event
         return time.perf_counter()
 
@@ -416,7 +416,7 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
     def _consumer_streams(self) -> list[torch.Stream]:
         if self._memcpy_stream is None:
             return []
-        current = torch.get_device_module(self._device).current_stream()
+        current = torch.get_device_module(self._device).current_stream(self._device)
         return [s for s in (current, self._data_dist_stream) if s is not None]
 
     def _fence_before_exchange(self) -> None:
