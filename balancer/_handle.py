@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -22,6 +23,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from balancer._exchange import Exchange, Traffic
@@ -125,6 +127,20 @@ def _finish_jobs_at_exit() -> None:
 atexit.register(_finish_jobs_at_exit)
 
 
+def caller_cuda_device() -> int | None:
+    """The calling thread's current CUDA device, where this process uses CUDA (else ``None``).
+
+    The current device is per thread: a thread of ours starts on device 0, so any
+    CUDA runtime call there without a device guard (an event's synchronize or query,
+    the pinned allocator's event processing, user code calling ``.cuda()``) would
+    create a context on GPU 0 or use it."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def on_cuda_device(index: int | None) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
 class BackgroundThread:
     """One daemon thread that runs submitted jobs in order (``submit`` returns a
     :class:`~concurrent.futures.Future`), like a one-worker ``ThreadPoolExecutor``
@@ -137,7 +153,7 @@ class BackgroundThread:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], int | None] | None] = \
             queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._shut = False
@@ -148,7 +164,7 @@ class BackgroundThread:
         if self._shut:  # (a job queued now would never run)
             raise RuntimeError("the background thread was shut down")
         future: Future[Any] = Future()
-        self._jobs.put((future, fn, args))
+        self._jobs.put((future, fn, args, caller_cuda_device()))  # the submitting thread's device
         return future
 
     def _run(self) -> None:
@@ -156,16 +172,17 @@ class BackgroundThread:
             job = self._jobs.get()
             if job is None:
                 return
-            future, fn, args = job
+            future, fn, args, device = job
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
-                result = fn(*args)
+                with on_cuda_device(device):
+                    result = fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller, as an executor does
                 future.set_exception(e)
             else:
                 future.set_result(result)
-            del job, future, fn, args  # drop the batch's references while idle
+            del job, future, fn, args, device  # drop the batch's references while idle
 
     def shutdown(self, grace: float) -> None:
         """Cancel the queued jobs, let the thread end after the running one, and wait

@@ -219,9 +219,14 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
 
 
 def produce(run: Run, source: Iterator[Any], skip: int, shuffler: BatchShuffler, workloads: Workloads,
-             template: Template, group: Any, world: int, pin: bool) -> None:
-    """The producer thread: one shuffled batch per credit, in step with every rank."""
+             template: Template, group: Any, world: int, pin: bool, device: int | None = None) -> None:
+    """The producer thread: one shuffled batch per credit, in step with every rank.
+
+    ``device``: the CUDA device current on the thread that started the pass; made
+    current here too (the wrapped loader's and workload_fn's ``.cuda()``, pinning)."""
     try:
+        if device is not None:
+            torch.cuda.set_device(device)
         exhausted, failure = False, None
         for step in range(skip):  # fast-forward (resume): one draw per consumed step
             _, exhausted, failure = _take(source, template, exhausted, step)

@@ -11,8 +11,9 @@ Per step ``s``, on every rank of the group:
 2. the same thread shuffles it with a :class:`~balancer.shuffler.BatchShuffler`
    on the host: metadata all-gather, partition and plan in the shuffler's own
    thread and child process, then one gloo collective on the shuffler's own
-   group moves the samples -- never on the caller's group, so the training
-   loop's collectives are not disturbed;
+   group moves the samples -- never on the caller's group (not even for a
+   loader that yields device batches, which gloo moves through host memory), so
+   the training loop's collectives are not disturbed;
 3. it decides whether the epoch goes on (below), pins the batch when asked
    (and CUDA is present), and queues it;
 4. the training thread's ``next()`` only waits on that queue. ``ahead``
@@ -64,6 +65,7 @@ import torch.distributed as dist
 
 from balancer import _comm
 from balancer._destinations import PartitionFn
+from balancer._handle import caller_cuda_device
 from balancer._ints import is_int
 from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
 from balancer.batch import BaseBatch
@@ -146,6 +148,7 @@ class BalancedLoader(Generic[_B]):
         # On the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never
         # create a group while the training thread creates others.
+        self._shuffler._own_phase2 = True  # its shuffles run on the loader's thread (module docstring)
         self._shuffler.connect(group)
         self._template = Template(given=batch_size)
         self._epoch = 0
@@ -193,7 +196,7 @@ class BalancedLoader(Generic[_B]):
         except BaseException as e:  # noqa: BLE001 - raised on every rank by the first next()
             source = _raising(e)
         args = (run, source, skip, self._shuffler, self._workloads, self._template, self._group,
-                self._world, self._pin)
+                self._world, self._pin, caller_cuda_device())
         run.thread = threading.Thread(target=produce, args=args, name="balancer-loader", daemon=True)
         run.thread.start()
         self._run, self._consumed, self._pass_epoch = run, skip, self._epoch

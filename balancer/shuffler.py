@@ -280,6 +280,10 @@ class BatchShuffler(ShufflerBase):
         self._verify = not any(partition is p for p in _TRUSTED)
         self._groups: dict[int, ShuffleGroups] = {}
         self._setup_error: ShuffleAbortedError | None = None  # the groups' creation timed out
+        # Phase 2 always on the shuffler's own gloo group, device batches too (BalancedLoader
+        # shuffles on its own thread: a collective there on the caller's NCCL group could be
+        # paired with the training thread's on that group).
+        self._own_phase2 = False
         self._agreed: dict[str, Agreement] = {}  # background thread only
         # Background thread only: (seq, plan digest, lowest rank of the planning group or -1).
         self._prev: dict[str, tuple[int, int, int]] = {}
@@ -435,7 +439,7 @@ class BatchShuffler(ShufflerBase):
                 out = _canonical_length(out, outcome.length)
             if outcome.exchange is not None or outcome.join:
                 groups = self._groups_for(group)
-                target = groups.phase2_group(batch.device)
+                target = groups.data if self._own_phase2 else groups.phase2_group(batch.device)
                 t_phase2 = perf_counter()
                 try:
                     if outcome.exchange is None:

@@ -167,6 +167,37 @@ def _empty_step_worker(rank: int, w: int) -> tuple[list[list[int]], int]:
     return got, groups
 
 
+def _own_group_worker(rank: int, w: int) -> tuple[list[list[int]], list[bool]]:
+    import torch.distributed as dist
+
+    from balancer import _comm
+
+    # Phase 2 of a device batch goes to the caller's group (NCCL) in a training loop's
+    # shuffle; routed there for every batch here, as if these were device batches.
+    _comm.ShuffleGroups.phase2_group = lambda self, device: self.user  # type: ignore[method-assign]
+    on_callers: list[bool] = []
+    real = dist.all_to_all_single
+
+    def recording(*args: Any, group: Any = None, **kwargs: Any) -> Any:
+        on_callers.append(group is None or group is dist.group.WORLD)
+        return real(*args, group=group, **kwargs)
+
+    dist.all_to_all_single = recording  # type: ignore[assignment]
+    batches = [make(0, rank, 0, B), make(0, rank, 1, B - 2 * rank)]
+    with BalancedLoader(batches, cost, batch_size=B, **FAST) as loader:
+        got = [check_batch(b) for b in loader]
+    return got, on_callers
+
+
+def test_the_loader_never_moves_samples_on_the_callers_group() -> None:
+    # Its shuffles run on the loader's own thread: a device batch's phase 2 on the
+    # caller's NCCL group there could be paired with the training thread's collectives.
+    res = run_workers(_own_group_worker, 2, timeout=120)
+    assert sorted(i for got, _ in res for ids in got for i in ids) == sorted(
+        _sid(0, r, s, i) for r in range(2) for s, n in enumerate((B, B - 2 * r)) for i in range(n))
+    assert all(calls and not any(calls) for _, calls in res), [calls for _, calls in res]
+
+
 def test_a_step_of_padding_on_every_rank_does_not_end_the_pass() -> None:
     outs = run_workers(_empty_step_worker, 2, timeout=120)
     for got, groups in outs:
@@ -973,3 +1004,61 @@ def test_close_run_by_a_finalizer_on_the_producer_thread_does_not_deadlock() -> 
     # Once the finalizer's close() waited for the lock that the other thread's close() held
     # while waiting for this very producer.
     assert run_workers(_close_on_the_producer_thread, 1, timeout=120) == [True]
+
+
+# ------------------------------------------- threads of ours and the CUDA device
+def _device_per_thread_worker(rank: int, w: int) -> list[tuple[str, str, int]]:
+    import contextlib
+    import threading
+
+    # CUDA's current device is per thread, and a new thread starts on device 0: on
+    # a node of several GPUs, CUDA calls on a thread of ours (pinning, an event's
+    # synchronize, the user's loader and workload_fn on the loader's thread) ran on
+    # GPU 0 whatever device the training thread had set (a stray context on GPU 0
+    # from every rank, or tensors on the wrong GPU). A fake device per thread stands
+    # in for CUDA's here: a CPU machine has no second GPU to see it on.
+    local = threading.local()
+    current = lambda: getattr(local, "device", 0)  # noqa: E731
+
+    def set_device(d: int) -> None:
+        local.device = int(d)
+
+    @contextlib.contextmanager
+    def device(d: int) -> Iterator[None]:
+        before, local.device = current(), int(d)
+        try:
+            yield
+        finally:
+            local.device = before
+
+    seen: set[tuple[str, str, int]] = set()
+
+    def note(what: str) -> None:
+        seen.add((threading.current_thread().name, what, current()))
+
+    torch.cuda.is_initialized = lambda: True  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    torch.cuda.current_device = current  # type: ignore[assignment]
+    torch.cuda.set_device = set_device  # type: ignore[assignment]
+    torch.cuda.device = device  # type: ignore[assignment,misc]
+    torch.Tensor.pin_memory = lambda self, *a, **k: (note("pin_memory"), self.clone())[1]  # type: ignore[method-assign]
+    set_device(rank + 1)  # the training thread's torch.cuda.set_device(local_rank)
+
+    def workloads(b: Any) -> Any:
+        note("workload_fn")
+        return cost(b)
+
+    s = BatchShuffler(workloads, executor="thread")
+    for step in range(2):
+        b = make(0, rank, step, B)
+        s.finish_shuffle(b, s.start_shuffle_async(b))
+    s.close()
+    with BalancedLoader(Source(rank, [3]), workloads, ahead=1, batch_size=B, pin_memory=True, **FAST) as loader:
+        assert sum(1 for _ in loader) == 3
+    return sorted(seen)
+
+
+def test_threads_of_ours_use_the_callers_cuda_device() -> None:
+    for rank, seen in enumerate(run_workers(_device_per_thread_worker, 2, timeout=120)):
+        assert {"balancer-shuffle", "balancer-loader"} <= {name for name, _, _ in seen}, seen
+        assert all(dev == rank + 1 for _, _, dev in seen), seen
