@@ -327,7 +327,10 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         shuffler was already aborted): its batch would not be trained anyway, so
         the error is logged, and the shuffler is stopped all the same. (It
         raised, left the shuffler's thread and child running, and in a
-        ``finally:`` replaced the error that ended the loop.)"""
+        ``finally:`` replaced the error that ended the loop.) With CUDA batches on
+        an NCCL group, finishing is an all-to-all there: after an error on one
+        rank only, close the shuffler alone (``pipeline.shuffler.close()``, no
+        collective; docs/gpu.md, "NCCL failures")."""
         try:
             self._finish_shuffles()
         except Exception as e:  # noqa: BLE001 - see the docstring

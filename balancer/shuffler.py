@@ -34,7 +34,10 @@ order) is reported in phase 1's message, so every rank raises the same
 the offending ranks, before any phase-2 collective; the shuffler stays usable.
 A peer that does not take part within ``timeout`` makes every waiting rank
 raise :class:`~balancer.errors.ShuffleAbortedError` naming the phase and the
-missing ranks; the shuffler is then closed.
+missing ranks; the shuffler is then closed. That holds on the shuffler's own
+gloo groups (phase 1; phase 2 of CPU batches): phase 2 of CUDA batches runs on
+the caller's NCCL group, whose own timeout and watchdog apply there
+(docs/design.md, section 6).
 """
 
 from __future__ import annotations
@@ -406,7 +409,9 @@ class BatchShuffler(ShufflerBase):
             ValueError: ``batch`` is not the batch that was started (another
                 layout or real-sample count) -- a programming error raised on
                 this rank only, before the handle is used up (the other ranks
-                then wait in phase 2 until ``timeout``).
+                then wait in phase 2 until ``timeout``; on NCCL they have
+                enqueued the exchange: retry with the right batch before any
+                other collective on that group).
         """
         self._claim(handle, mark=False)
         t0 = perf_counter()

@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    # Above the shuffler's timeout (shuffle_timeout_s, 300 s) and its grace: a rank missing in
+    # phase 1 is named by the shuffler before NCCL's watchdog ends the job (docs/gpu.md).
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     # The library installs no log handler: show balancer's INFO lines (the
     # --balancer-log-interval stats) and others' warnings.
     logging.basicConfig(level=logging.WARNING, format=f"[rank {dist.get_rank()}] %(name)s: %(message)s",
