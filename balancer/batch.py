@@ -49,7 +49,7 @@ from torchrec.streamable import Pipelineable
 
 from balancer._ints import as_count, is_int
 from balancer._kjt import kjt_index_select
-from balancer._pinned import filled_like, new_full
+from balancer._pinned import filled_like, grown, new_full
 
 logger = logging.getLogger(__name__)
 
@@ -383,12 +383,6 @@ def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
     )
 
 
-def _pad_dense(t: torch.Tensor, batch_size: int) -> torch.Tensor:
-    out = new_full(t, (batch_size, *t.shape[1:]))
-    out[: t.shape[0]] = t
-    return out
-
-
 def pad_batch(batch: _B, batch_size: int) -> _B:
     """Pad an incomplete batch with padding samples up to ``batch_size``.
 
@@ -423,7 +417,7 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
         return batch
     return batch.map_tensors(
         lambda k: _pad_kjt(k, batch_size),
-        lambda t: _pad_dense(t, batch_size),
+        lambda t: grown(t, batch_size),
         batch_size=batch_size,
         actual_batch_size=batch.actual_batch_size,
     )
@@ -468,8 +462,6 @@ def padding_like(batch: _T) -> _T:
                                  lengths=filled_like(k.lengths()), stride=b,
                                  length_per_key=[0] * keys, offset_per_key=[0] * (keys + 1))
     return batch.map_tensors(kjt, filled_like, actual_batch_size=0)  # type: ignore[return-value]
-
-
 
 
 # Checked by validate() with their own messages.

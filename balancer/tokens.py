@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from balancer._ints import as_count, is_int
-from balancer._pinned import new_full
+from balancer._pinned import grown
 
 __all__ = ["TokenBatch"]
 
@@ -219,14 +219,11 @@ class TokenBatch:
         if batch_size == self.batch_size:
             return self
 
-        def grow(t: torch.Tensor, value: int | float = 0) -> torch.Tensor:
-            out = new_full(t, (batch_size, *t.shape[1:]), value)  # pinned where t is (balancer._pinned)
-            out[: t.shape[0]] = t
-            return out
-
-        tokens = self.tokens if self.packed else {k: grow(v, pad_value(self, k)) for k, v in self.tokens.items()}
-        return dataclasses.replace(self, batch_size=batch_size, seq_lens=grow(self.seq_lens), tokens=tokens,
-                                   samples={k: grow(v) for k, v in self.samples.items()})
+        # (pinned where the batch is: balancer._pinned)
+        tokens = self.tokens if self.packed else {k: grown(v, batch_size, pad_value(self, k))
+                                                  for k, v in self.tokens.items()}
+        return dataclasses.replace(self, batch_size=batch_size, seq_lens=grown(self.seq_lens, batch_size),
+                                   tokens=tokens, samples={k: grown(v, batch_size) for k, v in self.samples.items()})
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every CUDA tensor as used on ``stream``; a no-op on the CPU."""

@@ -565,7 +565,6 @@ def test_randomised_faults_never_hang_or_abort() -> None:
     assert all(res[-1][2] == "ok" for res in per_rank)  # the shared shuffler is still usable
 
 
-
 # ------------------------------------------------ phase 2 on the caller's group
 def _phase2_on_callers_group_fails_worker(rank: int, w: int, where: str) -> dict[str, Any]:
     from balancer import _comm
