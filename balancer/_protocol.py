@@ -230,13 +230,16 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
         if w.layout != torch.strided or w.device.type == "meta":  # the copy below would raise on this rank only
             return _fail(meta, Status.BAD_INPUT, f"workloads is a {w.layout} tensor on {w.device}, expected a "
                          f"dense tensor with values (rank {rank})")
-    if w.device != batch.device and "cpu" not in (w.device.type, batch.device.type):
-        w = w.to(batch.device, non_blocking=True)  # another accelerator: one device to wait for
+    if w.device.type not in ("cpu", "cuda"):
+        w = w.cpu()  # another accelerator (MPS has no float64): a blocking copy
+    elif w.device.type == "cuda" and batch.device.type == "cuda" and w.device != batch.device:
+        w = w.to(batch.device, non_blocking=True)  # another GPU: one device to wait for
     w = w.to(torch.float64).view(torch.int64)
     lengths = [t.to(torch.int64) for t in lengths_tensors(batch, layout)]
     cuda = next((t.device for t in (w, *lengths) if t.device.type == "cuda"), None)
     if cuda is None:
-        meta.host = torch.cat([w, *lengths])
+        # The CPU (the very tensor), or another accelerator: a blocking copy, no event.
+        meta.host = torch.cat([t if t.device.type == "cpu" else t.cpu() for t in (w, *lengths)])
         return meta
     # Costs and lengths go to one pinned host buffer, each from where it is: a device
     # part by a non_blocking copy that the background thread waits for (the event),
