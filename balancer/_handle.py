@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import queue
@@ -23,9 +22,9 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+from balancer._devices import caller_cuda_device, on_cuda_device
 from balancer._exchange import Exchange, Traffic
 from balancer._gather import HostTensors
 from balancer._layout import WireLayout
@@ -125,20 +124,6 @@ def _finish_jobs_at_exit() -> None:
 
 
 atexit.register(_finish_jobs_at_exit)
-
-
-def caller_cuda_device() -> int | None:
-    """The calling thread's current CUDA device, where this process uses CUDA (else ``None``).
-
-    The current device is per thread: a thread of ours starts on device 0, so any
-    CUDA runtime call there without a device guard (an event's synchronize or query,
-    the pinned allocator's event processing, user code calling ``.cuda()``) would
-    create a context on GPU 0 or use it."""
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-
-def on_cuda_device(index: int | None) -> contextlib.AbstractContextManager[Any]:
-    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
 
 
 class BackgroundThread:

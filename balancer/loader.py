@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from balancer import _comm
 from balancer._destinations import PartitionFn
-from balancer._handle import caller_cuda_device
+from balancer._devices import caller_cuda_device
 from balancer._ints import is_int
 from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
 from balancer.batch import BaseBatch

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from balancer._devices import collective_device
 from balancer._llm_units import (
     Units,
     as_lengths,
@@ -328,14 +329,10 @@ def _agree(k: int, fingerprints: list[int], failed: bool, pg: ProcessGroup | Non
     """One all-reduce (MAX): ``(max k, a failed rank or -1, indices of the settings that
     differ between ranks)``."""
     rank = dist.get_rank(pg)
+    # (on NCCL the group's bound device where it has one: a thread other than the one
+    # that set the current device sees device 0)
     msg = torch.tensor([k, rank + 1 if failed else 0, *fingerprints, *(-f for f in fingerprints)],
-                       dtype=torch.int64)
-    if dist.get_backend(pg) == "nccl":
-        # The group's own device where it is bound (init_process_group(device_id=...)):
-        # a thread other than the one that set the current device sees device 0.
-        group = pg if pg is not None else dist.distributed_c10d._get_default_group()
-        bound = getattr(group, "bound_device_id", None)
-        msg = msg.to(bound if bound is not None else torch.device("cuda", torch.cuda.current_device()))
+                       dtype=torch.int64).to(collective_device(pg))
     dist.all_reduce(msg, op=dist.ReduceOp.MAX, group=pg)
     # A few integers, needed on the host to plan: the one device sync of the call.
     top_k, bad, *fps = msg.tolist()

@@ -74,6 +74,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 from balancer import _comm
+from balancer._devices import collective_device
 from balancer._protocol import NoBatch
 from balancer.batch import BaseBatch, padding_like
 from balancer.config import BalancerConfig
@@ -544,9 +545,7 @@ def _same_pipeline_everywhere(config: BalancerConfig, device: torch.device, pg: 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(pg) <= 1:
         return
     mine = (2 if config.pipeline == "prefetch" else 0) + int(config.enable_balanced_shuffler)
-    on = torch.device("cpu")
-    if dist.get_backend(pg) == "nccl":  # the training device, not whatever set_device left current
-        on = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    on = collective_device(pg, prefer=device)  # NCCL: the training device, not whatever set_device left current
     rank = dist.get_rank(pg)
     t = torch.tensor([mine, -mine, rank + 1 if problem else 0], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
