@@ -24,7 +24,9 @@ mkdir -p "$out"
 
 GPU_CHECKS=${GPU_RUN_STEPS:-env kernels cuda_tier bench llm example} \
   timeout -k 10 "${GPU_RUN_STEPS_S:-260}" bash scripts/gpu_checks.sh "$logs"
-echo "== gpu steps: exit $? at ${SECONDS} s"
+steps_rc=$?
+suite_rc=0
+echo "== gpu steps: exit $steps_rc at ${SECONDS} s"
 
 left=$((budget - SECONDS))
 if ! grep -q '^numpy ' "$logs/env.log" 2>/dev/null; then
@@ -35,7 +37,8 @@ else
   GPU_CHECKS=suite SUITE_WORKERS=${SUITE_WORKERS:-10} SUITE_MARK=${SUITE_MARK:-not cuda} \
     SUITE_TEST_TIMEOUT=${SUITE_TEST_TIMEOUT:-150} \
     timeout -k 10 "$((left - 15))" bash scripts/gpu_checks.sh "$logs"
-  echo "== suite: exit $? at ${SECONDS} s"
+  suite_rc=$?
+  echo "== suite: exit $suite_rc at ${SECONDS} s"
   grep -E '^(FAILED|ERROR)|passed|failed' "$logs/suite.log" | tail -n 25
 fi
 
@@ -45,3 +48,5 @@ for f in env cuda_tier bench llm example; do
 done
 ls -la "$logs"
 echo "== done in ${SECONDS} s: $out/gpu_checks.tgz (every log and JSON) and the main logs"
+# A failed (or timed-out) step or suite fails the call; a skipped suite does not by itself.
+[ "$steps_rc" -eq 0 ] && [ "$suite_rc" -eq 0 ]
