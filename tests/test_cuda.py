@@ -154,6 +154,7 @@ def test_padding_of_a_pinned_batch_is_pinned() -> None:
     from balancer import TokenBatch, pad_batch, padding_like
     from tests.test_batch import make_batch
 
+    torch.cuda.init()  # as a training process has (balancer._pinned asks only where CUDA is in use)
     batch = make_batch(torch.Generator().manual_seed(0), b=4, real=3).pin_memory()
     empty = padding_like(batch)
     held = [empty.features.lengths(), empty.labels, empty.dense]
