@@ -692,7 +692,10 @@ def _child_lifecycle_worker(rank: int, w: int) -> tuple[bool, bool, int | None]:
     s.finish_shuffle(batch, h)
     st = h.stats
     assert 0 < st.partition_s < 1.5 and st.partition_s <= st.background_s, st
-    assert st.wait_s < 1.5 and st.host_blocked_s == st.wait_s + st.collective_s, st
+    # The wait excludes the caller's 1.5 s (the background work overlapped it): what is left of
+    # the background time after it, whatever the load (a fixed 1.5 s bound failed on a busy box).
+    assert st.wait_s <= max(0.0, st.background_s - 1.5) + 0.5, st
+    assert st.host_blocked_s == st.wait_s + st.collective_s, st
     worker = s._worker
     assert worker is not None
     alive = worker._proc.poll() is None

@@ -53,8 +53,10 @@ def test_unpicklable_result_is_an_error() -> None:
 
 
 def test_hang_becomes_timeout() -> None:
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s") as e:
-        run_workers_outcomes(_hang_on_rank0, 2, timeout=3)
+    # (6 s: on a box loaded with 4 busy processes per core a rank was still starting after 3 s,
+    # before it could dump its stack)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 6s") as e:
+        run_workers_outcomes(_hang_on_rank0, 2, timeout=6)
     # Where each rank waits: its stack, dumped on the timeout.
     msg = str(e.value)
     rank0, rank1 = msg.split("--- rank 0 stacks:")[1].split("--- rank 1 stacks:")
