@@ -112,7 +112,6 @@ class LocalMeta:
     numels: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     host: torch.Tensor | None = None
     event: Any = None
-    event_device: Any = None
     pad_len: int = 0  # L of a padded TokenBatch
     measured: tuple[int, float] = (-1, 0.0)  # (shuffle, compute seconds) this rank last timed
     exhausted: bool = False  # this rank's data has run out: the batch is padding only
@@ -252,7 +251,6 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
         meta.host[b:].copy_(torch.cat(lengths), non_blocking=True)
     meta.event = torch.cuda.Event()
     meta.event.record(torch.cuda.current_stream(cuda))
-    meta.event_device = cuda
     return meta
 
 
@@ -280,7 +278,7 @@ def message(meta: LocalMeta, agreed: Agreement | None,
     detail, bad_value = -1, 0
     if meta.host is not None:
         if meta.event is not None:
-            with torch.cuda.device(meta.event_device):  # this thread's current device may be another GPU
+            with torch.cuda.device(meta.event.device):  # where it was recorded: this thread may be on another GPU
                 meta.event.synchronize()
         words = meta.host.numpy()
         b, k = meta.batch_size, meta.num_lengths
