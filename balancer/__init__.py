@@ -18,8 +18,10 @@ that splits a global batch across ranks, :func:`plan_micro_batches` to cut a
 rank's share into micro-batches under a token budget.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from balancer._padding import padding_like
 from balancer._version import __version__
-from balancer.batch import BaseBatch, pad_batch, padding_like
 from balancer.buffered_dispatch import BufferedDispatcher, DispatchRound
 from balancer.config import BalancerConfig
 from balancer.dispatch import DispatchPlan, plan_dispatch
@@ -28,11 +30,6 @@ from balancer.loader import BalancedLoader
 from balancer.loss import global_loss_value, global_mean_loss, global_weighted_mean_loss
 from balancer.microbatch import MicroBatchPlan, plan_micro_batches
 from balancer.partition import balanced_partition, free_partition, karmarkar_karp, lower_bound
-from balancer.pipeline import (
-    BalancedPrefetchTrainPipelineSparseDist,
-    BalancedTrainPipelineSparseDist,
-    create_train_pipeline,
-)
 from balancer.shuffler import BatchShuffler, IdentityBatchShuffler, ShuffleHandle, ShuffleStats
 from balancer.tokens import TokenBatch
 from balancer.workloads import (
@@ -46,6 +43,40 @@ from balancer.workloads import (
     calibrate,
     fit_polynomial,
 )
+
+if TYPE_CHECKING:
+    from balancer.batch import BaseBatch, pad_batch
+    from balancer.pipeline import (
+        BalancedPrefetchTrainPipelineSparseDist,
+        BalancedTrainPipelineSparseDist,
+        create_train_pipeline,
+    )
+
+# The names that need TorchRec, imported on first use (PEP 562): ``import balancer``
+# and the token path do not load TorchRec (~3 s) and run where it is not installed.
+_TORCHREC_NAMES = {
+    "BaseBatch": "balancer.batch",
+    "pad_batch": "balancer.batch",
+    "BalancedPrefetchTrainPipelineSparseDist": "balancer.pipeline",
+    "BalancedTrainPipelineSparseDist": "balancer.pipeline",
+    "create_train_pipeline": "balancer.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TORCHREC_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'balancer' has no attribute {name!r}")
+    from balancer._torchrec import require
+
+    value = getattr(require(module, f"balancer.{name}"), name)
+    globals()[name] = value  # later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "BalancedLoader",

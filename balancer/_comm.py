@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._exchange import Exchange
 from balancer._gather import DeviceBlob, HostTensors, put_runs, take_runs, upload
@@ -327,6 +326,9 @@ def assemble(batch: Any, layout: WireLayout, ex: Exchange, blob: DeviceBlob, buf
         fields["samples"] = {d.name: out[(d.name, "samples")].view(b, *d.shape) for d in layout.dense}
         fields["seq_lens"] = lengths[0]
         return replace(batch, **fields, batch_size=b, actual_batch_size=ex.num_out)
+    # A BaseBatch: TorchRec is loaded (imported here so that token batches never need it).
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     for spec, kl, per_key in zip(layout.kjts, lengths, ex.length_per_key, strict=True):
         offsets = [0]
         for n in per_key:

@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -30,15 +30,17 @@ from balancer._gather import HostTensors
 from balancer._layout import WireLayout
 from balancer._protocol import NO_PREV, LocalMeta, message, reraise, stay_length
 from balancer._stats import ShuffleStats, build_stats, format_stats
-from balancer.batch import BaseBatch
 from balancer.errors import ShuffleAbortedError
 from balancer.tokens import TokenBatch
+
+if TYPE_CHECKING:  # the token path runs without TorchRec (balancer._torchrec)
+    from balancer.batch import BaseBatch
 
 logger = logging.getLogger("balancer.shuffler")  # the shufflers' log, as before the split
 
 __all__ = ["BatchT", "HandleState", "Outcome", "ShuffleHandle", "ShufflerBase"]
 
-BatchT = TypeVar("BatchT", BaseBatch, TokenBatch)
+BatchT = TypeVar("BatchT", "BaseBatch", TokenBatch)
 
 
 @dataclasses.dataclass

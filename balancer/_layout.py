@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from balancer._ints import is_int
 from balancer._plan_layout import KJTPlan, PlanLayout, SectionPlan
 from balancer.tokens import TokenBatch, holds, pad_value_problems
+
+if TYPE_CHECKING:  # the token path runs without TorchRec (balancer._torchrec)
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
     "OPAQUE", "DenseSpec", "KJTSpec", "Section", "WireLayout", "fingerprint", "layout_problems",

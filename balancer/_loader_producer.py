@@ -18,14 +18,17 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from balancer.batch import BaseBatch, pad_batch, padding_like
+from balancer._padding import padding_like
+from balancer._torchrec import batch_types
 from balancer.shuffler import BatchShuffler, ShuffleStats
 from balancer.tokens import TokenBatch
+
+if TYPE_CHECKING:  # the token path runs without TorchRec (balancer._torchrec)
+    from balancer.batch import BaseBatch
 
 logger = logging.getLogger(__name__)
 
@@ -181,15 +184,28 @@ class Run:
 
 # ------------------------------------------------------------ producer
 def _padded(batch: BaseBatch | TokenBatch, batch_size: int) -> BaseBatch | TokenBatch:
-    return batch.pad(batch_size) if isinstance(batch, TokenBatch) else pad_batch(batch, batch_size)
+    if isinstance(batch, TokenBatch):
+        return batch.pad(batch_size)
+    from balancer.batch import pad_batch  # already loaded: batch is a BaseBatch
+
+    return pad_batch(batch, batch_size)
 
 
 def _carrier(template: Template) -> BaseBatch | TokenBatch:
     """A batch to report a failure with: the padding template if there is one."""
     if template.padding is not None:
         return padding_like(template.padding)
-    empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64),
-                              lengths=torch.zeros(1, dtype=torch.int64))
+    # No batch seen yet: any batch carries the failure. A BaseBatch where TorchRec
+    # is in use, else a token batch (the token path runs without TorchRec).
+    nothing = torch.zeros(1, dtype=torch.int64)
+    if batch_types() == (TokenBatch,):
+        return TokenBatch(batch_size=1, seq_lens=nothing, tokens={"_": torch.zeros(1, 0, dtype=torch.int64)},
+                          actual_batch_size=0)
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from balancer.batch import BaseBatch
+
+    empty = KeyedJaggedTensor(keys=["_"], values=torch.zeros(0, dtype=torch.int64), lengths=nothing)
     return BaseBatch(features=empty, batch_size=1, feature_to_max_seqlen={}, actual_batch_size=0)
 
 
@@ -202,7 +218,7 @@ def _fit(batch: Any, template: Template, step: int) -> Any:
             the first batch's). Every rank's batches would be that large, so
             the shuffle alone would not see it.
     """
-    if not isinstance(batch, BaseBatch | TokenBatch):
+    if not isinstance(batch, batch_types()):
         return batch
     if template.batch_size is None:
         template.batch_size = batch.batch_size

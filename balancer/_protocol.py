@@ -164,7 +164,8 @@ def lengths_matrix(batch: Any, layout: WireLayout) -> torch.Tensor:
 
 
 def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, rank: int,
-            config: int, base_type: type[Any] | tuple[type[Any], ...], exhausted: bool = False) -> LocalMeta:
+            config: int, base_type: type[Any] | tuple[type[Any], ...], exhausted: bool = False,
+            expected: str | None = None) -> LocalMeta:
     """This rank's contribution to shuffle ``seq``; never raises for bad input.
 
     Problems visible from shapes and dtypes (wrong type, layout, workload
@@ -177,20 +178,20 @@ def capture(batch: Any, workload_fn: Callable[[Any], Any] | None, *, seq: int, r
     rank never joins.
     """
     try:
-        return _capture(batch, workload_fn, LocalMeta(seq, rank, config, exhausted=exhausted), base_type)
+        return _capture(batch, workload_fn, LocalMeta(seq, rank, config, exhausted=exhausted), base_type, expected)
     except BaseException as e:  # noqa: BLE001 - reported on every rank, re-raised here (see reraise)
         return _fail(LocalMeta(seq, rank, config, exhausted=exhausted), Status.BAD_INPUT,
                      f"the batch could not be read: {type(e).__name__}: {e} (rank {rank})", e)
 
 
 def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMeta,
-             base_type: type[Any] | tuple[type[Any], ...]) -> LocalMeta:
+             base_type: type[Any] | tuple[type[Any], ...], expected: str | None = None) -> LocalMeta:
     rank = meta.rank
     if isinstance(batch, NoBatch):
         return _fail(meta, Status.BAD_INPUT, f"{batch.reason} (rank {rank})")
     if not isinstance(batch, base_type):
-        names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
-        return _fail(meta, Status.BAD_INPUT, f"batch is a {type(batch).__name__}, expected a {names} (rank {rank})")
+        return _fail(meta, Status.BAD_INPUT,
+                     f"batch is a {type(batch).__name__}, expected a {expected or _names(base_type)} (rank {rank})")
     problems = scalar_problems(batch)
     if problems:
         return _fail(meta, Status.BAD_INPUT, "; ".join(problems) + f" (rank {rank})")
@@ -399,7 +400,12 @@ def layout_description(meta: LocalMeta) -> dict[str, str]:
     return meta.layout.describe() if meta.layout is not None else {"batch class": "not a batch"}
 
 
-def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tuple[type[Any], ...]) -> str:
+def _names(base_type: type[Any] | tuple[type[Any], ...]) -> str:
+    return " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
+
+
+def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tuple[type[Any], ...],
+                   expected: str | None = None) -> str:
     """Why ``batch`` cannot finish the shuffle ``meta`` started ("" if it can); shapes only.
 
     ``finish_shuffle`` checks it on this rank before using up the handle.
@@ -407,8 +413,7 @@ def batch_mismatch(batch: Any, meta: LocalMeta | None, base_type: type[Any] | tu
     if meta is None or meta.layout is None or meta.status:
         return ""
     if not isinstance(batch, base_type):
-        names = " or a ".join(t.__name__ for t in (base_type if isinstance(base_type, tuple) else (base_type,)))
-        return f"batch is a {type(batch).__name__}, expected a {names}"
+        return f"batch is a {type(batch).__name__}, expected a {expected or _names(base_type)}"
     layout = wire_layout(batch)
     if layout.fingerprint != meta.layout_fp:
         return "batch has another layout (fields, keys, dtypes or per-sample shapes)"

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from balancer._ints import is_int
 from balancer._limits import MAX_COST
-from balancer.batch import BaseBatch
+
+if TYPE_CHECKING:  # annotations only: the token path runs without TorchRec (_torchrec)
+    from balancer.batch import BaseBatch
 
 __all__ = ["sequence_lengths"]
 

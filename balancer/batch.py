@@ -35,7 +35,6 @@ them along. A ``torch.Tensor`` field is always per sample, marked or not.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import itertools
 import logging
@@ -49,19 +48,15 @@ from torchrec.streamable import Pipelineable
 
 from balancer._ints import as_count, is_int
 from balancer._kjt import kjt_index_select
+from balancer._padding import padding_like  # noqa: F401 - public here too
 from balancer._pinned import filled_like, grown, new_full
+from balancer._trust import CHECK_CONTENTS, replace_unchecked, trusted  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseBatch", "pad_batch", "padding_like"]
 
 _B = TypeVar("_B", bound="BaseBatch")
-_T = TypeVar("_T")
-
-# False while the library builds a batch it constructed correct by design (a
-# shuffle's output): its padding contents are not re-read, which on the CPU is a
-# value read in the caller's per-step path.
-_CHECK_CONTENTS: contextvars.ContextVar[bool] = contextvars.ContextVar("balancer_check_contents", default=True)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,7 +112,7 @@ class BaseBatch(Pipelineable):
         missing = [n for n in self.contextual_feature_names if n not in keys]
         if missing:
             raise ValueError(f"contextual_feature_names {missing} are not keys of features {keys}")
-        self.validate(contents=self._on_cpu() and _CHECK_CONTENTS.get())
+        self.validate(contents=self._on_cpu() and CHECK_CONTENTS.get())
 
     def _refuse_hidden_tensors(self) -> None:
         """A field holding tensors that are neither a ``torch.Tensor`` nor a KJT would stay
@@ -344,29 +339,6 @@ class BaseBatch(Pipelineable):
         )
 
 
-def trusted(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``fn(*args, **kwargs)`` with the padding-content check of every batch it
-    builds switched off (for batches correct by construction)."""
-    token = _CHECK_CONTENTS.set(False)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _CHECK_CONTENTS.reset(token)
-
-
-def replace_unchecked(batch: _B, **changes: Any) -> _B:
-    """``dataclasses.replace`` that checks shapes but reads no tensor value.
-
-    For batches the library built correct by construction (the shuffle's
-    output): the padding-content check of ``__post_init__`` reads values.
-    """
-    token = _CHECK_CONTENTS.set(False)
-    try:
-        return dataclasses.replace(batch, **changes)
-    finally:
-        _CHECK_CONTENTS.reset(token)
-
-
 def _pad_kjt(kjt: KeyedJaggedTensor, batch_size: int) -> KeyedJaggedTensor:
     lengths = kjt.lengths()
     k = len(kjt.keys())
@@ -423,33 +395,9 @@ def pad_batch(batch: _B, batch_size: int) -> _B:
     )
 
 
-def padding_like(batch: _T) -> _T:
-    """A batch of ``batch``'s layout and size with no real sample: ``actual_batch_size = 0``,
-    zero lengths and dense rows (a padded ``TokenBatch``'s token rows hold its
-    ``pad_values``; a packed one holds no token). Device ops only (on the CPU, building
-    the ``BaseBatch`` checks its padding contents, as every construction there does).
-
-    What a rank whose data has run out takes part with while its peers still have
-    batches (shuffled with ``start_shuffle_async(..., exhausted=True)``): every rank must
-    shuffle the same number of batches (``BalancedLoader`` and the balanced TorchRec
-    pipeline do this by themselves).
-
-    Raises:
-        TypeError: ``batch`` is neither a :class:`BaseBatch` nor a
-            :class:`~balancer.tokens.TokenBatch`.
-    """
-    from balancer.tokens import TokenBatch, pad_value  # tokens does not import this module
-
-    if isinstance(batch, TokenBatch):
-        tb = batch
-
-        def tokens(name: str, t: torch.Tensor) -> torch.Tensor:  # a packed batch holds no token at all
-            return t.new_zeros((0, *t.shape[1:])) if tb.packed else filled_like(t, pad_value(tb, name))
-        return dataclasses.replace(  # type: ignore[return-value]
-            tb, seq_lens=filled_like(tb.seq_lens), tokens={k: tokens(k, v) for k, v in tb.tokens.items()},
-            samples={k: filled_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
-    if not isinstance(batch, BaseBatch):
-        raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch")
+def base_padding(batch: BaseBatch) -> BaseBatch:
+    """:func:`~balancer._padding.padding_like` of a ``BaseBatch`` (public as
+    ``balancer.padding_like``, which takes either batch type)."""
     b = batch.batch_size
 
     def kjt(k: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -461,7 +409,7 @@ def padding_like(batch: _T) -> _T:
                                  weights=None if w is None else w.new_empty(0),
                                  lengths=filled_like(k.lengths()), stride=b,
                                  length_per_key=[0] * keys, offset_per_key=[0] * (keys + 1))
-    return batch.map_tensors(kjt, filled_like, actual_batch_size=0)  # type: ignore[return-value]
+    return batch.map_tensors(kjt, filled_like, actual_batch_size=0)
 
 
 # Checked by validate() with their own messages.

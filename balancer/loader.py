@@ -59,7 +59,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch.distributed as dist
 
@@ -68,17 +68,19 @@ from balancer._destinations import PartitionFn
 from balancer._devices import caller_cuda_device
 from balancer._ints import is_int
 from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
-from balancer.batch import BaseBatch
 from balancer.config import check_bool, check_interval, check_timeout
 from balancer.partition import balanced_partition
 from balancer.shuffler import BatchShuffler, ShuffleStats
 from balancer.tokens import TokenBatch
 
+if TYPE_CHECKING:  # the token path runs without TorchRec (balancer._torchrec)
+    from balancer.batch import BaseBatch
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BalancedLoader"]
 
-_B = TypeVar("_B", bound=BaseBatch | TokenBatch)
+_B = TypeVar("_B", bound="BaseBatch | TokenBatch")
 
 
 class BalancedLoader(Generic[_B]):

@@ -81,8 +81,9 @@ from balancer._protocol import (
 )
 from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
+from balancer._torchrec import batch_types
+from balancer._trust import replace_unchecked, trusted
 from balancer._version import __version__
-from balancer.batch import BaseBatch, pad_batch, replace_unchecked, trusted
 from balancer.config import (
     COMMS,
     EXECUTORS,
@@ -109,7 +110,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats"]
 
-_BATCHES = (BaseBatch, TokenBatch)
+_EXPECTED = "BaseBatch or a TokenBatch"  # batch_types() leaves BaseBatch out until balancer.batch is loaded
 # Partition functions that are deterministic by construction: their plans are
 # not re-checked across ranks before phase 2 (the digest still travels with
 # the next shuffle's message).
@@ -364,7 +365,8 @@ class BatchShuffler(ShufflerBase):
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
-                           base_type=_BATCHES, exhausted=bool(exhausted))
+                           base_type=batch_types(), expected=_EXPECTED,
+                           exhausted=bool(exhausted))
             meta.measured = self._calibration.latest()
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
@@ -423,7 +425,7 @@ class BatchShuffler(ShufflerBase):
             if (w, rank) != (handle.world_size, handle.rank):
                 raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
                                  f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")
-            mismatch = batch_mismatch(batch, handle._meta, _BATCHES)
+            mismatch = batch_mismatch(batch, handle._meta, batch_types(), _EXPECTED)
             if mismatch:
                 raise ValueError(f"finish_shuffle: {mismatch}; it is not the batch handle #{handle.seq} "
                                  "was started with")
@@ -794,6 +796,8 @@ def _padded(batch: Any, size: int) -> Any:
     """``batch`` with padding samples up to ``size`` (device ops only, nothing read)."""
     if isinstance(batch, TokenBatch):
         return batch.pad(size)
+    from balancer.batch import pad_batch  # already loaded: batch is a BaseBatch
+
     return trusted(pad_batch, batch, size)
 
 
@@ -829,8 +833,8 @@ class IdentityBatchShuffler(ShufflerBase):
         t0 = perf_counter()
         job, meta = None, LocalMeta(self._next_seq, rank, 0, exhausted=bool(exhausted))  # no workloads: the flag
         if self._workload_fn is not None:
-            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0, base_type=_BATCHES,
-                           exhausted=bool(exhausted))
+            meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0,
+                           base_type=batch_types(), expected=_EXPECTED, exhausted=bool(exhausted))
             job = self._pool().submit(self._local_job, meta, "identity")
         return self._register(ShuffleHandle(self._next_seq, 1, rank, perf_counter() - t0, self._token, job, meta))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ from balancer._quadratic import (
     is_token_batch,
     sequence_lengths,
 )
-from balancer.batch import BaseBatch
+
+if TYPE_CHECKING:  # annotations only: the token path runs without TorchRec (_torchrec)
+    from balancer.batch import BaseBatch
 
 __all__ = ["TransformerCost"]
 

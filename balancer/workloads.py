@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,8 +34,10 @@ import torch
 from balancer._ints import as_count
 from balancer._limits import MAX_COST
 from balancer._quadratic import _names, _positive_int, _Quadratic, sequence_lengths
-from balancer.batch import BaseBatch
 from balancer.transformer_cost import TransformerCost
+
+if TYPE_CHECKING:  # annotations only: the token path runs without TorchRec (_torchrec)
+    from balancer.batch import BaseBatch
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ __all__ = [
     "sequence_lengths",
 ]
 
-WorkloadFn = Callable[[BaseBatch], torch.Tensor]
+WorkloadFn = Callable[["BaseBatch"], torch.Tensor]
 """Maps a batch to an int64 tensor ``[batch_size]`` of per-sample cost."""
 
 
