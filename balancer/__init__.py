@@ -18,6 +18,7 @@ that splits a global batch across ranks, :func:`plan_micro_batches` to cut a
 rank's share into micro-batches under a token budget.
 """
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from balancer._padding import padding_like
@@ -53,13 +54,17 @@ if TYPE_CHECKING:
     )
 
 # The names that need TorchRec, imported on first use (PEP 562): ``import balancer``
-# and the token path do not load TorchRec (~3 s) and run where it is not installed.
+# and the token path do not load TorchRec (~4 s) and run where it is not installed.
+# The two modules are among them: ``balancer.batch`` and ``balancer.pipeline`` were
+# reachable as attributes after ``import balancer`` when it imported them.
 _TORCHREC_NAMES = {
     "BaseBatch": "balancer.batch",
     "pad_batch": "balancer.batch",
     "BalancedPrefetchTrainPipelineSparseDist": "balancer.pipeline",
     "BalancedTrainPipelineSparseDist": "balancer.pipeline",
     "create_train_pipeline": "balancer.pipeline",
+    "batch": "balancer.batch",
+    "pipeline": "balancer.pipeline",
 }
 
 
@@ -69,7 +74,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'balancer' has no attribute {name!r}")
     from balancer._torchrec import require
 
-    value = getattr(require(module, f"balancer.{name}"), name)
+    loaded = require(module, f"balancer.{name}")
+    value = loaded if module.endswith(f".{name}") else getattr(loaded, name)
     globals()[name] = value  # later lookups do not come here
     return value
 
@@ -80,10 +86,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BalancedLoader",
-    "BalancedPrefetchTrainPipelineSparseDist",
-    "BalancedTrainPipelineSparseDist",
     "BalancerConfig",
-    "BaseBatch",
     "BatchShuffler",
     "BufferedDispatcher",
     "Calibration",
@@ -103,7 +106,6 @@ __all__ = [
     "WorkloadFn",
     "balanced_partition",
     "calibrate",
-    "create_train_pipeline",
     "fit_polynomial",
     "free_partition",
     "global_loss_value",
@@ -111,9 +113,17 @@ __all__ = [
     "global_weighted_mean_loss",
     "karmarkar_karp",
     "lower_bound",
-    "pad_batch",
     "padding_like",
     "plan_dispatch",
     "plan_micro_batches",
     "__version__",
 ]
+if importlib.util.find_spec("torchrec") is not None:  # finds, imports nothing
+    # ``from balancer import *`` takes them only where TorchRec is installed.
+    __all__ += [
+        "BaseBatch",
+        "pad_batch",
+        "BalancedPrefetchTrainPipelineSparseDist",
+        "BalancedTrainPipelineSparseDist",
+        "create_train_pipeline",
+    ]

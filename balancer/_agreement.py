@@ -204,7 +204,7 @@ def describe_failure(verdict: Verdict, headers: np.ndarray, reports: list[Report
         if lines:
             parts.append(f"batch layout differs between ranks (rank(s) {odd} differ): " + "; ".join(lines))
             if any(line.startswith("'batch_size'") for line in lines):
-                parts.append("every rank's batch must have one batch_size (pad_batch pads a short one; "
+                parts.append("every rank's batch must have one batch_size (pad_batch or TokenBatch.pad pads a short one; "
                              "BalancedLoader(batch_size=...) pads each rank's batches to it)")
     if "plan" in verdict.problems:
         odd = _plan_odd(headers)

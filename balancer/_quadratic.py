@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from balancer._ints import is_int
 from balancer._limits import MAX_COST
 
-if TYPE_CHECKING:  # annotations only: the token path runs without TorchRec (_torchrec)
-    from balancer.batch import BaseBatch
-
 __all__ = ["sequence_lengths"]
 
 
 # ----------------------------------------------------------------- lengths
 def sequence_lengths(
-    batch: BaseBatch, feature_names: Sequence[str], *, interleaved: bool = False,
+    batch: Any, feature_names: Sequence[str], *, interleaved: bool = False,
     include_contextual: bool = False,
 ) -> torch.Tensor:
     """Per-sample sequence length the model sees, int64 ``[batch_size]`` on the device.
@@ -83,7 +80,7 @@ def is_token_batch(batch: Any) -> bool:
     return isinstance(getattr(batch, "seq_lens", None), torch.Tensor) and not hasattr(batch, "features")
 
 
-def _evaluate(batch: BaseBatch, lengths: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+def _evaluate(batch: Any, lengths: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
     """``a L^2 + b L + c`` for real samples, 0 for padding, int64 in ``[0, MAX_COST]``."""
     x = lengths.to(torch.float64)
     y = (a * x + b) * x + c
@@ -133,7 +130,7 @@ class _Quadratic:
             raise ValueError(f"{type(self).__name__}: its cost coefficients (a, b, c) overflow float64; "
                              "expected dimensions and ratios of a real model")
 
-    def __call__(self, batch: BaseBatch) -> torch.Tensor:
+    def __call__(self, batch: Any) -> torch.Tensor:
         """Per-sample cost, int64 ``[batch.batch_size]`` on the batch's device."""
         lengths = sequence_lengths(
             batch, self.feature_names, interleaved=self.interleaved,

@@ -24,8 +24,9 @@ __all__ = ["INSTALL_HINT", "batch_types", "require"]
 _BATCH_MODULE = "balancer.batch"
 
 INSTALL_HINT = (
-    "pip install 'balancer[torchrec]' (or torchrec with the fbgemm-gpu wheel that matches your torch); "
-    "TokenBatch, BatchShuffler, BalancedLoader, plan_dispatch and plan_micro_batches run without it"
+    "install balancer with its torchrec extra (pip install -e '.[torchrec]' in a checkout), or torchrec "
+    "with the fbgemm-gpu wheel built for your torch; TokenBatch, BatchShuffler, BalancedLoader, "
+    "plan_dispatch and plan_micro_batches run without it"
 )
 
 
@@ -57,5 +58,7 @@ def require(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except (ImportError, OSError) as e:
-        raise ImportError(f"{what} needs torchrec, which did not import ({type(e).__name__}: {e}): "
-                          f"{INSTALL_HINT}") from e
+        # A missing module stays a ModuleNotFoundError, as it was when import balancer raised it.
+        error = ModuleNotFoundError if isinstance(e, ModuleNotFoundError) else ImportError
+        raise error(f"{what} needs torchrec, which did not import ({type(e).__name__}: {e}): "
+                    f"{INSTALL_HINT}") from e

@@ -3,7 +3,7 @@
 Used by balancer's tests and benchmarks, and usable in users' own tests.
 
 Workers start from a ``forkserver``: one server process imports torch, torchrec
-and balancer once (~4 s, on the first launch), then forks a clean worker per
+(where it is installed) and balancer once (~4 s, on the first launch), then forks a clean worker per
 rank (~0.1 s for a launch of 4). Plain ``fork`` is not an option: a process that
 has initialised CUDA (or autograd's thread pool) cannot fork children that use
 them ("Cannot re-initialize CUDA in forked subprocess"), and ``spawn`` re-imports
@@ -96,18 +96,30 @@ def _ephemeral_low() -> int | None:
         return None
 
 
-_PRELOAD = ["torch", "torchrec", "balancer"]
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
+def _preload() -> list[str]:
+    """What the server imports once for every worker: torch, balancer, and TorchRec
+    where it loads here. The server survives only an ImportError while preloading,
+    so a TorchRec that fails otherwise (fbgemm-gpu built for another torch raises
+    an ``OSError``) is tried here first and left out; the token path needs none."""
+    try:
+        import torchrec  # noqa: F401 - loaded here so that the server's import cannot fail
+    except (ImportError, OSError):
+        return ["torch", "balancer"]
+    return ["torch", "torchrec", "balancer"]
+
+
 def _mp_context() -> multiprocessing.context.ForkServerContext:
-    """The forkserver context, with torch/torchrec/balancer preloaded in the server."""
+    """The forkserver context, with torch, balancer and (where it loads) TorchRec
+    preloaded in the server."""
     global _context
     if _context is None:
         ctx = mp.get_context("forkserver")
         # Only takes effect before the server starts (the first launch); the
         # server is shared by every later launch of this process.
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_preload())
         _start_forkserver()
         _context = ctx
     return _context

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ from balancer._quadratic import (
     is_token_batch,
     sequence_lengths,
 )
-
-if TYPE_CHECKING:  # annotations only: the token path runs without TorchRec (_torchrec)
-    from balancer.batch import BaseBatch
 
 __all__ = ["TransformerCost"]
 
@@ -232,7 +229,7 @@ class TransformerCost(_Quadratic):
             raise ValueError(f"lengths[{i}] = {arr.flat[i]}, expected a finite value >= 0")
         return np.asarray((a * arr + b) * arr + c, dtype=np.float64)
 
-    def __call__(self, batch: BaseBatch) -> torch.Tensor:
+    def __call__(self, batch: Any) -> torch.Tensor:
         """Per-sample FLOPs, int64 ``[batch.batch_size]`` on the batch's device.
 
         Rounded and clamped to ``[0, MAX_COST]``; padding samples cost 0. With

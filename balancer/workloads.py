@@ -47,7 +47,10 @@ __all__ = [
     "sequence_lengths",
 ]
 
-WorkloadFn = Callable[["BaseBatch"], torch.Tensor]
+if TYPE_CHECKING:
+    WorkloadFn = Callable[[BaseBatch], torch.Tensor]
+else:  # resolvable at run time (typing.get_type_hints) without importing TorchRec
+    WorkloadFn = Callable[[Any], torch.Tensor]
 """Maps a batch to an int64 tensor ``[batch_size]`` of per-sample cost."""
 
 

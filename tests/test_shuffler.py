@@ -381,7 +381,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank() -> None:
     b = w - 1
     expect = {"first_batch_size": f"'batch_size': ranks [0, 1, 2]: '8'; rank {b}: '6'",
               "batch_size": f"'batch_size': ranks [0, 1, 2]: '8'; rank {b}: '6'; every rank's batch must have "
-                            "one batch_size (pad_batch pads a short one; BalancedLoader(batch_size=...) pads each "
+                            "one batch_size (pad_batch or TokenBatch.pad pads a short one; BalancedLoader(batch_size=...) pads each "
                             "rank's batches to it)",
               "schema": f"'features.keys': ranks [0, 1, 2]: \"['a', 'b', 'c']\"; rank {b}: \"['a', 'b']\"",
               "shape": f"workloads has shape (7,) and dtype torch.int64, expected [batch_size=8] of an "

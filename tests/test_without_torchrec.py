@@ -2,13 +2,14 @@
 
 LLM/RL training loops hold token tensors, not KJTs; TorchRec (and its
 fbgemm-gpu wheel, pinned to one torch release) is no dependency of theirs.
-The script below runs in fresh processes whose ``torchrec`` and
-``fbgemm_gpu`` are stand-ins that fail to import, as on a machine without
-them: a 2-rank gloo shuffle of token batches, a ``BalancedLoader`` pass with
-uneven loaders, micro-batches and dispatch, every sample accounted for; a
-loader failing before its first batch on one rank (reported through the
-shuffle with a token carrier); then the TorchRec-only names fail with the
-install hint.
+The script below runs in fresh processes where ``torchrec`` and
+``fbgemm_gpu`` are absent (``sitecustomize`` blocks them, as if not
+installed): on 2 gloo ranks, a token shuffle, bad input on one rank, an
+exhausted rank, a ``BalancedLoader`` pass with uneven loaders and one whose
+loader fails before its first batch (reported with a token carrier), the
+global loss, dispatch and micro-batches, every sample accounted for; then
+``from balancer import *`` leaves the TorchRec names out and
+``balancer.BaseBatch`` fails with the install hint.
 """
 
 from __future__ import annotations
@@ -87,17 +88,42 @@ SCRIPT = textwrap.dedent('''
         else:
             raise AssertionError("a rank's failing loader did not raise")
 
+        with BatchShuffler(cost) as shuffler:  # bad input on one rank: the same error on every rank
+            bad = token_batch(rank, 6) if rank == 0 else {"input_ids": None}
+            try:
+                shuffler.finish_shuffle(bad, shuffler.start_shuffle_async(bad))
+            except ValueError as e:
+                assert "batch is a dict, expected a BaseBatch or a TokenBatch (rank 1)" in str(e), e
+            else:
+                raise AssertionError("bad input did not raise")
+        with BatchShuffler(cost) as shuffler:  # an exhausted rank takes part with padding
+            live = token_batch(rank, 7)
+            batch = live if rank == 0 else balancer.padding_like(live)
+            handle = shuffler.start_shuffle_async(batch, exhausted=rank == 1)
+            out = shuffler.finish_shuffle(batch, handle)
+            assert gathered(rows(out)) == gathered(rows(batch)), "the exhausted rank's shuffle lost samples"
+        ident = balancer.IdentityBatchShuffler(cost)
+        batch = token_batch(rank, 8)
+        assert ident.finish_shuffle(batch, ident.start_shuffle_async(batch)) is batch
+        ident.close()
+        loss = balancer.global_mean_loss(torch.ones(4), 4 - rank)  # 7 real samples of loss 1 in all
+        assert abs(float(loss) - W * (4 - rank) / 7) < 1e-6, float(loss)  # DDP's mean of these is 1
+
         lens = [int(x) for x in token_batch(rank, 9).seq_lens]
         plan = plan_micro_batches(lens, max_tokens=64, cost=cost)
         assert sorted(i for mb in plan.micro_batches for i in mb) == list(range(len(lens)))
         dplan = plan_dispatch([4, 30, 2, 28, 5, 6], W, cost=cost)
         assert sorted(i for r in dplan.ranks for i in r) == list(range(6))
 
-        assert not [m for m in sys.modules if m.startswith(("torchrec", "fbgemm_gpu", "balancer.batch"))]
+        namespace = {}
+        exec("from balancer import *", namespace)  # the TorchRec names are left out, not raised
+        assert "TokenBatch" in namespace and "BaseBatch" not in namespace
+        loaded = [m for m, v in sys.modules.items() if v is not None]  # None: blocked, see SITECUSTOMIZE
+        assert not [m for m in loaded if m.startswith(("torchrec", "fbgemm_gpu", "balancer.batch"))]
         try:
             balancer.BaseBatch
         except ImportError as e:
-            assert "balancer.BaseBatch needs torchrec" in str(e) and "balancer[torchrec]" in str(e), e
+            assert "balancer.BaseBatch needs torchrec" in str(e) and "torchrec extra" in str(e), e
         else:
             raise AssertionError("BaseBatch imported without TorchRec")
         dist.destroy_process_group()
@@ -111,13 +137,14 @@ SCRIPT = textwrap.dedent('''
         mp.start_processes(worker, args=(port,), nprocs=W, start_method="spawn")
 ''')
 
-STUB = 'raise ImportError("{name} is not installed here (a stand-in of tests/test_without_torchrec.py)")\n'
+# Loaded by every interpreter that starts with tmp_path on PYTHONPATH (the spawned
+# ranks too). A None entry in sys.modules is what an absent package looks like to
+# both ``import`` (ModuleNotFoundError) and ``importlib.util.find_spec`` (None).
+SITECUSTOMIZE = 'import sys\nsys.modules.update(torchrec=None, fbgemm_gpu=None)\n'
 
 
 def test_token_path_runs_without_torchrec(tmp_path: pathlib.Path) -> None:
-    for name in ("torchrec", "fbgemm_gpu"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(STUB.format(name=name))
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     script = tmp_path / "token_path.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), OMP_NUM_THREADS="1")
@@ -134,6 +161,7 @@ def test_torchrec_is_an_extra_not_a_dependency() -> None:
 
 
 def test_torchrec_names_still_import_from_the_package() -> None:
+    pytest.importorskip("torchrec")
     import balancer
     from balancer.batch import BaseBatch, pad_batch, padding_like
     from balancer.pipeline import create_train_pipeline
@@ -141,4 +169,23 @@ def test_torchrec_names_still_import_from_the_package() -> None:
     assert (balancer.BaseBatch, balancer.pad_batch, balancer.create_train_pipeline) == (
         BaseBatch, pad_batch, create_train_pipeline)
     assert balancer.padding_like is padding_like
-    assert set(balancer.__all__) <= set(dir(balancer))
+    assert balancer.batch.pad_batch is pad_batch and balancer.pipeline.create_train_pipeline is create_train_pipeline
+    assert {"BaseBatch", "create_train_pipeline"} <= set(balancer.__all__) <= set(dir(balancer))
+
+
+def test_public_annotations_resolve_at_run_time() -> None:
+    # Config tools (jsonargparse, pydantic) and runtime checkers resolve annotations:
+    # none may name a class that is imported for type checkers only.
+    import typing
+
+    import balancer
+
+    def user_fn(fn):  # noqa: ANN001 - annotated below, as a module without `from __future__` would
+        return fn
+
+    user_fn.__annotations__ = {"fn": balancer.WorkloadFn}
+    typing.get_type_hints(user_fn)
+    for fn in (balancer.TransformerCost.__call__, balancer.TokenCount.__call__,
+               balancer.workloads.sequence_lengths, balancer.BatchShuffler.start_shuffle_async,
+               balancer.BalancedLoader.__init__, balancer.padding_like):
+        typing.get_type_hints(fn)
