@@ -212,12 +212,23 @@ class CalibrationState:
             self._timing = (seq, list(events))
 
     def latest(self) -> tuple[int, float]:
-        """``(shuffle, seconds)`` of the latest complete report, ``(-1, 0.0)`` before any."""
+        """``(shuffle, seconds)`` of the latest complete report, ``(-1, 0.0)`` before any.
+
+        Raises:
+            ValueError: the reported events cannot be timed (never recorded, made
+                without ``enable_timing``); they are dropped, so a later call
+                goes on with the previous report.
+        """
         if self._timing is not None:
             seq, pairs = self._timing
-            if all(end.query() for _, end in pairs):  # never waits: read once complete
-                self._measured = (seq, sum(start.elapsed_time(end) for start, end in pairs) / 1e3)
+            try:
+                if all(end.query() for _, end in pairs):  # never waits: read once complete
+                    self._measured = (seq, sum(start.elapsed_time(end) for start, end in pairs) / 1e3)
+                    self._timing = None
+            except Exception as e:  # noqa: BLE001 - whatever the events raise, named in the error
                 self._timing = None
+                raise ValueError(f"record_compute: the events reported for shuffle #{seq} cannot be timed: "
+                                 f"{type(e).__name__}: {e}") from e
         return self._measured
 
     def update(self, key: str, rows: np.ndarray, seq: int) -> OnlineFit:

@@ -63,7 +63,8 @@ from balancer._layout import (
 from balancer._limits import MAX_LENGTH
 
 __all__ = [
-    "NO_PREV", "LocalData", "LocalMeta", "NoBatch", "Status", "batch_mismatch", "capture", "exhausted_problem",
+    "NO_PREV", "LocalData", "LocalMeta", "NoBatch", "Status", "bad_input", "batch_mismatch", "capture",
+    "exhausted_problem",
     "layout_description", "lengths_matrix", "message",
 ]
 
@@ -131,6 +132,12 @@ def _fail(meta: LocalMeta, status: int, text: str, cause: BaseException | None =
     meta.error = meta.error or text
     meta.cause = meta.cause or cause
     return meta
+
+
+def bad_input(meta: LocalMeta, text: str, cause: BaseException | None = None) -> LocalMeta:
+    """Mark ``meta`` as bad input found after :func:`capture` (``text`` names the rank):
+    every rank's ``finish_shuffle`` raises it, as for any problem ``capture`` finds."""
+    return _fail(meta, Status.BAD_INPUT, text, cause)
 
 
 def reraise(meta: LocalMeta, error: Exception) -> NoReturn:

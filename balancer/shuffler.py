@@ -71,6 +71,7 @@ from balancer._layout import WireLayout, fingerprint
 from balancer._protocol import (
     NO_PREV,
     LocalMeta,
+    bad_input,
     batch_mismatch,
     capture,
     exhausted_problem,
@@ -323,8 +324,12 @@ class BatchShuffler(ShufflerBase):
         without ``calibrate``.
 
         Raises:
-            ValueError: ``seconds`` not a finite number > 0, or ``handle`` not
-                finished by this shuffler.
+            ValueError: ``seconds`` not a finite number > 0, ``events`` not a
+                sequence of ``(start, end)`` pairs of events (objects with
+                ``query`` and ``elapsed_time``), or ``handle`` not finished by
+                this shuffler. Events that turn out unreadable (never
+                recorded, made without ``enable_timing``) fail the next
+                shuffle on every rank instead, naming this one.
         """
         if not self.calibrate:
             return
@@ -333,6 +338,9 @@ class BatchShuffler(ShufflerBase):
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not 0 < seconds < float("inf")):
             raise ValueError(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
+        if seconds is None and not _event_pairs(events):
+            raise ValueError(f"record_compute: events={events!r}, expected (start, end) pairs of timing events "
+                             "(torch.cuda.Event(enable_timing=True), recorded around the compute)")
         self._calibration.report(handle.seq, seconds, events)
 
     # ------------------------------------------------------------- phases
@@ -367,7 +375,10 @@ class BatchShuffler(ShufflerBase):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
                            base_type=batch_types(), expected=_EXPECTED,
                            exhausted=bool(exhausted))
-            meta.measured = self._calibration.latest()
+            try:
+                meta.measured = self._calibration.latest()
+            except ValueError as e:  # raised here, this rank alone would leave its peers in phase 1
+                bad_input(meta, f"{e} (rank {rank})", e)
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
             else:
@@ -790,6 +801,15 @@ def _canonical_length(batch: Any, length: int) -> Any:
         return fill_padding(t, pad, pad_value(batch, name))
 
     return dataclasses.replace(batch, tokens={k: fit(k, v) for k, v in batch.tokens.items()})
+
+
+def _event_pairs(events: Any) -> bool:
+    """``events`` is a sequence of ``(start, end)`` pairs of event-like objects."""
+    def event(x: Any) -> bool:
+        return callable(getattr(x, "query", None)) and callable(getattr(x, "elapsed_time", None))
+
+    return isinstance(events, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and event(p[0]) and event(p[1]) for p in events)
 
 
 def _padded(batch: Any, size: int) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -208,3 +209,51 @@ def test_record_compute_checks_its_input() -> None:
     s.record_compute(h, 0.5)
     assert s._calibration.latest() == (h.seq, 0.5)
     BatchShuffler(token_count).record_compute(h, 1.0)  # without calibrate: ignored
+
+
+def _unreadable_events_worker(rank: int, w: int) -> dict[str, Any]:
+    s = BatchShuffler(token_count, calibrate=True, timeout=60)
+    batch = make_batch(rank, 8, 8, seed=7)
+    h = s.start_shuffle_async(batch)
+    s.finish_shuffle(batch, h)
+    if rank == 1:  # real torch events, never recorded: their elapsed time cannot be read
+        s.record_compute(h, events=[(torch.Event(device="cpu", enable_timing=True),
+                                     torch.Event(device="cpu", enable_timing=True))])
+    else:
+        s.record_compute(h, 0.25)
+    t0 = time.monotonic()
+    h = s.start_shuffle_async(batch)
+    try:
+        s.finish_shuffle(batch, h)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    waited = time.monotonic() - t0
+    h = s.start_shuffle_async(batch)  # the bad report is dropped: the shuffler goes on
+    out = s.finish_shuffle(batch, h)
+    s.close()
+    return {"error": error, "waited": waited, "real": out.actual_batch_size}
+
+
+def test_unreadable_events_fail_the_next_shuffle_on_every_rank() -> None:
+    # They were read in start_shuffle_async on the reporting rank only, which raised
+    # there before phase 1 while its peers waited in it for the shuffler's timeout.
+    outs = run_workers(_unreadable_events_worker, 2, timeout=120)
+    for o in outs:
+        assert "record_compute: the events reported for shuffle #0 cannot be timed: ValueError: Both events " \
+               "must be recorded" in o["error"] and "(rank 1)" in o["error"], o["error"]
+        assert o["waited"] < 30, o["waited"]
+        assert o["real"] == 8
+
+
+def test_record_compute_checks_the_events_it_is_given() -> None:
+    s = BatchShuffler(token_count, calibrate=True)
+    batch = make_batch(0, 4, 4, seed=0)
+    h = s.start_shuffle_async(batch)
+    s.finish_shuffle(batch, h)
+    event = torch.Event(device="cpu", enable_timing=True)
+    for bad in ([event], [(event,)], [(event, 1.0)], (event, event)):
+        with pytest.raises(ValueError, match=r"record_compute: events=.*, expected \(start, end\) pairs of "
+                                             r"timing events"):
+            s.record_compute(h, events=bad)  # type: ignore[arg-type]
+    s.record_compute(h, events=[(event, event)])  # checked for its shape only: read at the next shuffle
