@@ -201,6 +201,7 @@ class CalibrationState:
     def __init__(self) -> None:
         self._measured: tuple[int, float] = (-1, 0.0)  # the latest compute time to report
         self._timing: tuple[int, list[tuple[Any, Any]]] | None = None  # CUDA events not yet complete
+        self._refused = ""  # a bad report, raised by the next latest()
         self._fits: dict[str, OnlineFit] = {}  # background thread only
         self._models: dict[str, CostModel | None] = {}  # background thread only
 
@@ -211,14 +212,22 @@ class CalibrationState:
         elif events:
             self._timing = (seq, list(events))
 
+    def refuse(self, problem: str) -> None:
+        """A report that is not one (``problem`` says why): the next :meth:`latest`
+        raises it, so that it fails a shuffle on every rank, not a call on this one."""
+        self._refused = problem
+
     def latest(self) -> tuple[int, float]:
         """``(shuffle, seconds)`` of the latest complete report, ``(-1, 0.0)`` before any.
 
         Raises:
-            ValueError: the reported events cannot be timed (never recorded, made
-                without ``enable_timing``); they are dropped, so a later call
-                goes on with the previous report.
+            ValueError: a refused report, or reported events that cannot be timed
+                (never recorded, made without ``enable_timing``); either is
+                dropped, so a later call goes on with the previous report.
         """
+        if self._refused:
+            problem, self._refused = self._refused, ""
+            raise ValueError(problem)
         if self._timing is not None:
             seq, pairs = self._timing
             try:

@@ -85,9 +85,12 @@ class Status:
 @dataclasses.dataclass(frozen=True)
 class NoBatch:
     """Stands in for a batch a rank cannot give (its loader yielded none to take the
-    layout of): the shuffle fails on every rank, naming ``reason`` and the rank."""
+    layout of, or raised): the shuffle fails on every rank, naming ``reason`` and the
+    rank; on this rank chained from ``cause`` (or ``cause`` itself where it is no
+    ``Exception``, see :func:`reraise`)."""
 
     reason: str
+    cause: BaseException | None = None
 
 
 @dataclasses.dataclass
@@ -195,7 +198,7 @@ def _capture(batch: Any, workload_fn: Callable[[Any], Any] | None, meta: LocalMe
              base_type: type[Any] | tuple[type[Any], ...], expected: str | None = None) -> LocalMeta:
     rank = meta.rank
     if isinstance(batch, NoBatch):
-        return _fail(meta, Status.BAD_INPUT, f"{batch.reason} (rank {rank})")
+        return _fail(meta, Status.BAD_INPUT, f"{batch.reason} (rank {rank})", batch.cause)
     if not isinstance(batch, base_type):
         return _fail(meta, Status.BAD_INPUT,
                      f"batch is a {type(batch).__name__}, expected a {expected or _names(base_type)} (rank {rank})")

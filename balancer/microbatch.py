@@ -551,7 +551,9 @@ def plan_micro_batches(
             be issued in the same order as the training loop's collectives on that
             group (call it on the training thread, or pass a gloo group).
         sync: agree on ``k`` across ``pg`` (set ``False`` on a single
-            controller that plans for everyone).
+            controller that plans for everyone). The same on every rank: a
+            rank with ``False`` skips the all-reduce its peers wait in, which
+            nothing can detect.
 
     Returns:
         A :class:`MicroBatchPlan`.
@@ -578,7 +580,9 @@ def plan_micro_batches(
     """
     rank = _rank_of(pg)
     where = f"rank {rank}"
-    collective = (sync and dist.is_available()
+    # Only a real False skips the agreement: a bad ``sync`` (None, 0) on one rank joins
+    # it, so that every rank raises its ValueError instead of the peers waiting.
+    collective = (sync is not False and dist.is_available()
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
     err: BaseException | None = None
     un: Units | None = None

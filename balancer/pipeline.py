@@ -193,7 +193,10 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             self._source, self._out, self._ended = dataloader_iter, False, False
         if self._ended:
             return None
-        batch = None if self._out else super()._next_batch(dataloader_iter)
+        try:
+            batch = None if self._out else super()._next_batch(dataloader_iter)
+        except BaseException as e:  # noqa: BLE001 - told to every rank through the shuffle
+            return self._loader_failed(e)
         if batch is None:
             return self._ran_out()
         self._started = self._start_shuffle(batch)
@@ -205,6 +208,26 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
             assert self._template is not None, "_start_shuffle raised without one"
             batch = padding_like(self._template)
         return batch
+
+    def _loader_failed(self, error: BaseException) -> Any:
+        """This rank's loader raised ``error``. Raised here alone, it would leave the
+        peers in TorchRec's input dist, which no shuffler timeout covers: the shuffle
+        of this step tells every rank instead, and each raises its ``ValueError``
+        when that shuffle finishes, in the same step (here chained from ``error``, or
+        ``error`` itself where it is no ``Exception``). Until then this rank keeps in
+        step with a batch of no real sample; before its first batch there is none to
+        take the layout of, and the shuffle is finished at once (as in
+        :meth:`_ran_out`)."""
+        _, world, _ = _comm.resolve_group(self._shuffle_pg)
+        if not self._communicates or world == 1 or not isinstance(self._shuffler, BatchShuffler):
+            raise error  # no peer to tell (or nothing to tell them with)
+        failed = NoBatch(f"the data loader raised {type(error).__name__}: {error}", error)
+        handle = self._shuffler.start_shuffle_async(failed, pg=self._shuffle_pg)
+        if self._template is None:
+            self._shuffler.finish_shuffle(failed, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
+            raise AssertionError("a shuffle of no batch finished")
+        self._started = handle
+        return padding_like(self._template)
 
     def _ran_out(self) -> Any:
         """This rank's loader is exhausted: ``None`` (the pass ends here, as in

@@ -323,13 +323,16 @@ class BatchShuffler(ShufflerBase):
         latest report travels with the next shuffle's metadata. A no-op
         without ``calibrate``.
 
+        A bad report (``seconds`` not a finite number > 0; ``events`` not
+        ``(start, end)`` pairs of events, objects with ``query`` and
+        ``elapsed_time``, or events that cannot be timed once read: never
+        recorded, made without ``enable_timing``) fails the next shuffle on
+        every rank with a ``ValueError`` naming this rank, and is dropped:
+        raised here, on this rank alone, it would leave the peers waiting in
+        that shuffle's phase 1 for the timeout.
+
         Raises:
-            ValueError: ``seconds`` not a finite number > 0, ``events`` not a
-                sequence of ``(start, end)`` pairs of events (objects with
-                ``query`` and ``elapsed_time``), or ``handle`` not finished by
-                this shuffler. Events that turn out unreadable (never
-                recorded, made without ``enable_timing``) fail the next
-                shuffle on every rank instead, naming this one.
+            ValueError: ``handle`` is not finished by this shuffler.
         """
         if not self.calibrate:
             return
@@ -337,11 +340,12 @@ class BatchShuffler(ShufflerBase):
             raise ValueError(f"record_compute: {handle!r} is not a finished handle of this shuffler")
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not 0 < seconds < float("inf")):
-            raise ValueError(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
-        if seconds is None and not _event_pairs(events):
-            raise ValueError(f"record_compute: events={events!r}, expected (start, end) pairs of timing events "
-                             "(torch.cuda.Event(enable_timing=True), recorded around the compute)")
-        self._calibration.report(handle.seq, seconds, events)
+            self._calibration.refuse(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
+        elif seconds is None and not _event_pairs(events):
+            self._calibration.refuse(f"record_compute: events={events!r}, expected (start, end) pairs of timing "
+                                     "events (torch.cuda.Event(enable_timing=True), recorded around the compute)")
+        else:
+            self._calibration.report(handle.seq, seconds, events)
 
     # ------------------------------------------------------------- phases
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
@@ -364,20 +368,24 @@ class BatchShuffler(ShufflerBase):
 
         Raises:
             RuntimeError: the shuffler is closed.
-            ValueError: this process is not a member of ``pg``.
-            TypeError: ``exhausted`` is not a bool.
+            ValueError: this process is not a member of ``pg``. (An
+                ``exhausted`` that is not a bool is bad input like any other:
+                ``finish_shuffle`` raises it on every rank.)
         """
         self._check_open()
         group, w, rank = _comm.resolve_group(pg)
-        _check_exhausted(exhausted, rank)
+        flag = _exhausted_problem(exhausted, rank)
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
                            base_type=batch_types(), expected=_EXPECTED,
-                           exhausted=bool(exhausted))
+                           exhausted=not flag and bool(exhausted))
+            # Raised here, on this rank alone, either would leave its peers in phase 1:
+            if flag:
+                bad_input(meta, flag, TypeError(flag))
             try:
                 meta.measured = self._calibration.latest()
-            except ValueError as e:  # raised here, this rank alone would leave its peers in phase 1
+            except ValueError as e:
                 bad_input(meta, f"{e} (rank {rank})", e)
             if w == 1:
                 job = self._pool().submit(self._local_job, meta, "identity")
@@ -821,11 +829,18 @@ def _padded(batch: Any, size: int) -> Any:
     return trusted(pad_batch, batch, size)
 
 
-def _check_exhausted(exhausted: Any, rank: int) -> None:
+def _exhausted_problem(exhausted: Any, rank: int) -> str:
     """``start_shuffle_async``'s ``exhausted`` must be a bool (numpy's too): a tensor or
-    a count would say something else than the caller meant."""
-    if not isinstance(exhausted, (bool, np.bool_)):
-        raise TypeError(f"start_shuffle_async: exhausted={exhausted!r}, expected a bool (rank {rank})")
+    a count would say something else than the caller meant. "" if it is one."""
+    if isinstance(exhausted, (bool, np.bool_)):
+        return ""
+    return f"start_shuffle_async: exhausted={exhausted!r}, expected a bool (rank {rank})"
+
+
+def _check_exhausted(exhausted: Any, rank: int) -> None:
+    problem = _exhausted_problem(exhausted, rank)
+    if problem:  # IdentityBatchShuffler: no peer to leave waiting
+        raise TypeError(problem)
 
 
 class IdentityBatchShuffler(ShufflerBase):

@@ -204,8 +204,11 @@ def test_record_compute_checks_its_input() -> None:
         s.record_compute(h, 1.0)
     s.finish_shuffle(batch, h)
     for bad in (0.0, -1.0, float("nan"), True):
-        with pytest.raises(ValueError, match=r"seconds=.*, expected a finite number > 0"):
-            s.record_compute(h, bad)  # type: ignore[arg-type]
+        s.record_compute(h, bad)  # type: ignore[arg-type]  # fails the next shuffle (on every rank)
+        h2 = s.start_shuffle_async(batch)
+        with pytest.raises(ValueError, match=r"invalid shuffle input on rank\(s\) \[0\]: record_compute: "
+                                             r"seconds=.*, expected a finite number > 0 \(rank 0\)"):
+            s.finish_shuffle(batch, h2)
     s.record_compute(h, 0.5)
     assert s._calibration.latest() == (h.seq, 0.5)
     BatchShuffler(token_count).record_compute(h, 1.0)  # without calibrate: ignored
@@ -231,8 +234,14 @@ def _unreadable_events_worker(rank: int, w: int) -> dict[str, Any]:
     waited = time.monotonic() - t0
     h = s.start_shuffle_async(batch)  # the bad report is dropped: the shuffler goes on
     out = s.finish_shuffle(batch, h)
+    s.record_compute(h, 0.0 if rank == 0 else 0.25)  # a coarse clock's 0 on one rank
+    try:
+        s.shuffle(batch)
+        zero = ""
+    except ValueError as e:
+        zero = str(e)
     s.close()
-    return {"error": error, "waited": waited, "real": out.actual_batch_size}
+    return {"error": error, "waited": waited, "real": out.actual_batch_size, "zero": zero}
 
 
 def test_unreadable_events_fail_the_next_shuffle_on_every_rank() -> None:
@@ -244,6 +253,8 @@ def test_unreadable_events_fail_the_next_shuffle_on_every_rank() -> None:
                "must be recorded" in o["error"] and "(rank 1)" in o["error"], o["error"]
         assert o["waited"] < 30, o["waited"]
         assert o["real"] == 8
+        assert o["zero"].endswith("invalid shuffle input on rank(s) [0]: record_compute: seconds=0.0, expected a "
+                                  "finite number > 0 (rank 0)"), o["zero"]
 
 
 def test_record_compute_checks_the_events_it_is_given() -> None:
@@ -253,7 +264,10 @@ def test_record_compute_checks_the_events_it_is_given() -> None:
     s.finish_shuffle(batch, h)
     event = torch.Event(device="cpu", enable_timing=True)
     for bad in ([event], [(event,)], [(event, 1.0)], (event, event)):
+        s.record_compute(h, events=bad)  # type: ignore[arg-type]
+        h2 = s.start_shuffle_async(batch)
         with pytest.raises(ValueError, match=r"record_compute: events=.*, expected \(start, end\) pairs of "
-                                             r"timing events"):
-            s.record_compute(h, events=bad)  # type: ignore[arg-type]
+                                             r"timing events.* \(rank 0\)"):
+            s.finish_shuffle(batch, h2)
     s.record_compute(h, events=[(event, event)])  # checked for its shape only: read at the next shuffle
+    assert s._calibration._timing is not None

@@ -509,6 +509,48 @@ def test_a_non_batch_on_one_rank_fails_every_rank() -> None:
             "BaseBatch or a TokenBatch (rank 1)" in msg, outs
 
 
+def _failing_loader(data: list[Any], at: int) -> Iterator[Any]:
+    """Yields ``data`` until its ``at``-th batch, where it raises (a corrupt shard)."""
+    for i, batch in enumerate(data):
+        if i == at:
+            raise OSError("corrupt shard file")
+        yield batch
+
+
+def _worker_loader_raises(rank: int, world: int, at: int) -> tuple[str, str, str, float]:
+    args = parse_args(ARGS)
+    model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
+    data = list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=5, max_seqlen=48, seed=3))
+    it = iter(data) if rank == 0 else _failing_loader(data, at)
+    pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"),
+                                           BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0))
+    t0 = time.perf_counter()
+    try:
+        while True:
+            pipe.progress(it)
+    except StopIteration:
+        return ("StopIteration", "", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - the kind is part of the result
+        waited = time.perf_counter() - t0
+        time.sleep(1.0 if rank == 1 else 0.0)  # the failing rank lingers: its peer must not need it gone
+        return (type(e).__name__, str(e), type(e.__cause__).__name__, waited)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_loader_raising_on_one_rank_fails_every_rank_in_the_same_step(at: int) -> None:
+    # The exception left progress() on its rank only; the peer waited in TorchRec's
+    # input-dist all-to-all (no shuffler timeout covers it) until that process exited.
+    skip_without_tbe("the example's sharded model")
+    outs = run_workers(_worker_loader_raises, 2, at, timeout=180)
+    why = "the data loader raised OSError: corrupt shard file (rank 1)"
+    for rank, (kind, msg, cause, waited) in enumerate(outs):
+        assert kind == "ValueError" and f"invalid shuffle input on rank(s) [1]: {why}" in msg, outs
+        assert waited < 30, outs  # at once, not after a timeout
+        assert cause == ("OSError" if rank == 1 else "NoneType"), outs  # the failing rank's is chained
+
+
 def _worker_flag_on_one_rank(rank: int, world: int, prefetch_on_rank0: bool = False) -> str:
     config = BalancerConfig(enable_balanced_shuffler=rank == 0)
     if prefetch_on_rank0:

@@ -438,8 +438,13 @@ def _exhausted_worker(rank: int, w: int) -> dict[str, Any]:
             out["real"] = "ok"
         except ValueError as e:
             out["real"] = str(e)
-        with pytest.raises(TypeError, match=rf"^start_shuffle_async: exhausted=1, expected a bool \(rank {rank}\)$"):
-            s.start_shuffle_async(real, exhausted=1)  # type: ignore[arg-type]
+        # Not a bool on one rank: it raised TypeError there alone, before phase 1,
+        # and its peers waited in phase 1 for the timeout.
+        h = s.start_shuffle_async(real, exhausted=1 if rank == 1 else False)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"invalid shuffle input on rank\(s\) \[1\]: start_shuffle_async: "
+                                             r"exhausted=1, expected a bool \(rank 1\)$") as info:
+            s.finish_shuffle(real, h)
+        assert isinstance(info.value.__cause__, TypeError) == (rank == 1)
         out["after"] = s.shuffle(real).actual_batch_size  # still usable
     return out
 
