@@ -61,12 +61,11 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from balancer import _comm
 from balancer._destinations import PartitionFn
-from balancer._devices import caller_cuda_device, collective_device
+from balancer._devices import caller_cuda_device
 from balancer._ints import is_int
 from balancer._loader_producer import Failed, Item, Run, Template, Workloads, produce
 from balancer.config import check_bool, check_interval, check_timeout
@@ -82,21 +81,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["BalancedLoader"]
 
 _B = TypeVar("_B", bound="BaseBatch | TokenBatch")
-
-
-def _built_everywhere(me: str, group: Any, world: int, rank: int, problem: ValueError | None) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` where a rank's settings failed
-    (``problem``, raised by the caller on its rank): raised there alone, it would leave
-    the peers waiting in the groups' setup for the timeout, then blaming that rank
-    for never starting its first shuffle. One all-reduce of one integer, once."""
-    if world <= 1:
-        return
-    flag = torch.tensor([rank + 1 if problem is not None else 0], dtype=torch.int64,
-                        device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    bad = int(flag.item())  # once, at construction: not a per-step read
-    if bad and problem is None:
-        raise ValueError(f"{me} failed on rank {bad - 1} (see its error); nothing was built (rank {rank})")
 
 
 class BalancedLoader(Generic[_B]):
@@ -147,29 +131,22 @@ class BalancedLoader(Generic[_B]):
                  locality: bool = True, executor: str = "auto", timeout: float = 300.0,
                  log_interval: int = 0, token_cap: float | None = None, group_size: int | None = None) -> None:
         me = type(self).__name__
-        self._group, self._world, rank = _comm.resolve_group(group, "BalancedLoader")
-        problem: ValueError | None = None
-        try:
-            if not isinstance(loader, Iterable):
-                raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch or TokenBatch")
-            if not callable(workload_fn):
-                raise ValueError(f"{me}: workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
-            check_interval(me, "ahead", ahead)
-            if batch_size is not None and not is_int(batch_size, 1):
-                raise ValueError(f"{me}: batch_size={batch_size!r}, expected None or an int >= 1")
-            check_bool(me, "pin_memory", pin_memory)
-            check_timeout(me, "timeout", timeout)
-            self._workloads = Workloads(workload_fn)
-            self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
-                                           executor=executor, timeout=timeout, log_interval=log_interval,
-                                           token_cap=token_cap, group_size=group_size)
-        except ValueError as e:
-            problem = e
-        _built_everywhere(me, self._group, self._world, rank, problem)
-        if problem is not None:
-            raise problem
+        if not isinstance(loader, Iterable):
+            raise ValueError(f"{me}: loader={loader!r}, expected an iterable of BaseBatch or TokenBatch")
+        if not callable(workload_fn):
+            raise ValueError(f"{me}: workload_fn={workload_fn!r}, expected a callable batch -> [batch_size]")
+        check_interval(me, "ahead", ahead)
+        if batch_size is not None and not is_int(batch_size, 1):
+            raise ValueError(f"{me}: batch_size={batch_size!r}, expected None or an int >= 1")
+        check_bool(me, "pin_memory", pin_memory)
+        check_timeout(me, "timeout", timeout)
         self._loader = loader
         self._ahead, self._pin = ahead, pin_memory
+        self._workloads = Workloads(workload_fn)
+        self._shuffler = BatchShuffler(self._workloads, comm=comm, partition=partition, locality=locality,
+                                       executor=executor, timeout=timeout, log_interval=log_interval,
+                                       token_cap=token_cap, group_size=group_size)
+        self._group, self._world, _ = _comm.resolve_group(group, "BalancedLoader")
         # On the calling thread, at the same point on every rank: group
         # creation is itself collective, and the producer thread must never
         # create a group while the training thread creates others.
