@@ -552,8 +552,8 @@ def plan_micro_batches(
             group (call it on the training thread, or pass a gloo group).
         sync: agree on ``k`` across ``pg`` (set ``False`` on a single
             controller that plans for everyone). The same on every rank: a
-            rank with ``False`` skips the all-reduce its peers wait in, which
-            nothing can detect.
+            rank with ``False`` (or a falsy non-bool, which raises at once)
+            skips the all-reduce its peers wait in, which nothing can detect.
 
     Returns:
         A :class:`MicroBatchPlan`.
@@ -580,9 +580,9 @@ def plan_micro_batches(
     """
     rank = _rank_of(pg)
     where = f"rank {rank}"
-    # Only a real False skips the agreement: a bad ``sync`` (None, 0) on one rank joins
-    # it, so that every rank raises its ValueError instead of the peers waiting.
-    collective = (sync is not False and dist.is_available()
+    # A falsy bad ``sync`` (None, 0) raises at once, without the agreement: a single
+    # controller that meant False must not wait in an all-reduce its peers never join.
+    collective = (sync and dist.is_available()
                   and dist.is_initialized() and dist.get_world_size(pg) > 1)
     err: BaseException | None = None
     un: Units | None = None

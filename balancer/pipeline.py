@@ -222,12 +222,13 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         if not self._communicates or world == 1 or not isinstance(self._shuffler, BatchShuffler):
             raise error  # no peer to tell (or nothing to tell them with)
         failed = NoBatch(f"the data loader raised {type(error).__name__}: {error}", error)
+        stand_in = None if self._template is None else padding_like(self._template)  # before the shuffle starts
         handle = self._shuffler.start_shuffle_async(failed, pg=self._shuffle_pg)
-        if self._template is None:
+        if stand_in is None:
             self._shuffler.finish_shuffle(failed, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
             raise AssertionError("a shuffle of no batch finished")
         self._started = handle
-        return padding_like(self._template)
+        return stand_in
 
     def _ran_out(self) -> Any:
         """This rank's loader is exhausted: ``None`` (the pass ends here, as in
@@ -390,11 +391,14 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
                 with _stream_ctx(self._memcpy_stream):
                     try:
                         shuffled = self._shuffler.finish_shuffle(p.batch, p.handle, pg=self._shuffle_pg)
-                    except Exception:
-                        self._pending.popleft()  # used up: the next call moves on
+                    except BaseException as e:
+                        # Used up (an error; or an interrupt that was the shuffle's own
+                        # outcome, e.g. this rank's loader's KeyboardInterrupt carried by
+                        # it): the next call moves on. An interrupt while waiting leaves
+                        # it pending: the shuffler keeps the handle, the next call finishes it.
+                        if isinstance(e, Exception) or p.handle._state.finished:
+                            self._pending.popleft()
                         raise
-                    # (an interrupt leaves it pending: the shuffler keeps the handle, and
-                    # the next call finishes it)
                 self._pending.popleft()
                 self._fence_after_exchange()
                 # The shuffled tensors were allocated on the memcpy stream but are

@@ -324,12 +324,13 @@ class BatchShuffler(ShufflerBase):
         without ``calibrate``.
 
         A bad report (``seconds`` not a finite number > 0; ``events`` not
-        ``(start, end)`` pairs of events, objects with ``query`` and
-        ``elapsed_time``, or events that cannot be timed once read: never
-        recorded, made without ``enable_timing``) fails the next shuffle on
-        every rank with a ``ValueError`` naming this rank, and is dropped:
-        raised here, on this rank alone, it would leave the peers waiting in
-        that shuffle's phase 1 for the timeout.
+        an iterable of ``(start, end)`` pairs of events, objects with
+        ``query`` and ``elapsed_time``, or events that cannot be timed once
+        read: never recorded, made without ``enable_timing``) fails the next
+        shuffle on every rank with a ``ValueError`` naming this rank, even if a
+        good report follows it, and is dropped: raised here, on this rank
+        alone, it would leave the peers waiting in that shuffle's phase 1 for
+        the timeout.
 
         Raises:
             ValueError: ``handle`` is not finished by this shuffler.
@@ -341,11 +342,13 @@ class BatchShuffler(ShufflerBase):
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not 0 < seconds < float("inf")):
             self._calibration.refuse(f"record_compute: seconds={seconds!r}, expected a finite number > 0")
-        elif seconds is None and not _event_pairs(events):
+        elif seconds is not None:
+            self._calibration.report(handle.seq, seconds, ())
+        elif (pairs := _event_pairs(events)) is None:
             self._calibration.refuse(f"record_compute: events={events!r}, expected (start, end) pairs of timing "
                                      "events (torch.cuda.Event(enable_timing=True), recorded around the compute)")
         else:
-            self._calibration.report(handle.seq, seconds, events)
+            self._calibration.report(handle.seq, None, pairs)
 
     # ------------------------------------------------------------- phases
     def start_shuffle_async(self, batch: Any, pg: dist.ProcessGroup | None = None, *,
@@ -811,13 +814,18 @@ def _canonical_length(batch: Any, length: int) -> Any:
     return dataclasses.replace(batch, tokens={k: fit(k, v) for k, v in batch.tokens.items()})
 
 
-def _event_pairs(events: Any) -> bool:
-    """``events`` is a sequence of ``(start, end)`` pairs of event-like objects."""
+def _event_pairs(events: Any) -> list[tuple[Any, Any]] | None:
+    """``events`` (any iterable, read once) as a list of ``(start, end)`` pairs of
+    event-like objects; ``None`` if it is not one."""
     def event(x: Any) -> bool:
         return callable(getattr(x, "query", None)) and callable(getattr(x, "elapsed_time", None))
 
-    return isinstance(events, (list, tuple)) and all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and event(p[0]) and event(p[1]) for p in events)
+    try:
+        pairs = [tuple(p) for p in events]
+    except TypeError:  # not iterable, or an item that is not
+        return None
+    ok = all(len(p) == 2 and event(p[0]) and event(p[1]) for p in pairs)
+    return pairs if ok else None
 
 
 def _padded(batch: Any, size: int) -> Any:

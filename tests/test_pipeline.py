@@ -509,19 +509,20 @@ def test_a_non_batch_on_one_rank_fails_every_rank() -> None:
             "BaseBatch or a TokenBatch (rank 1)" in msg, outs
 
 
-def _failing_loader(data: list[Any], at: int) -> Iterator[Any]:
-    """Yields ``data`` until its ``at``-th batch, where it raises (a corrupt shard)."""
+def _failing_loader(data: list[Any], at: int, error: BaseException) -> Iterator[Any]:
+    """Yields ``data`` until its ``at``-th batch, where it raises ``error``."""
     for i, batch in enumerate(data):
         if i == at:
-            raise OSError("corrupt shard file")
+            raise error
         yield batch
 
 
-def _worker_loader_raises(rank: int, world: int, at: int) -> tuple[str, str, str, float]:
+def _worker_loader_raises(rank: int, world: int, at: int, interrupt: bool) -> tuple[str, str, str, float, int]:
     args = parse_args(ARGS)
     model, optimizer = build_model(args, torch.device("cpu"), dist.group.WORLD)
     data = list(SyntheticHSTUData(rank=rank, batch_size=16, num_batches=5, max_seqlen=48, seed=3))
-    it = iter(data) if rank == 0 else _failing_loader(data, at)
+    error = KeyboardInterrupt("ctrl-c") if interrupt else OSError("corrupt shard file")
+    it = iter(data) if rank == 0 else _failing_loader(data, at, error)
     pipe = BalancedTrainPipelineSparseDist(model, optimizer, torch.device("cpu"),
                                            BatchShuffler(TokenCount([ITEM_FEATURE]), timeout=60.0))
     t0 = time.perf_counter()
@@ -529,26 +530,33 @@ def _worker_loader_raises(rank: int, world: int, at: int) -> tuple[str, str, str
         while True:
             pipe.progress(it)
     except StopIteration:
-        return ("StopIteration", "", "", 0.0)
-    except Exception as e:  # noqa: BLE001 - the kind is part of the result
+        return ("StopIteration", "", "", 0.0, 0)
+    except BaseException as e:  # noqa: BLE001 - the kind is part of the result
         waited = time.perf_counter() - t0
         time.sleep(1.0 if rank == 1 else 0.0)  # the failing rank lingers: its peer must not need it gone
-        return (type(e).__name__, str(e), type(e.__cause__).__name__, waited)
+        return (type(e).__name__, str(e), type(e.__cause__).__name__, waited, len(pipe._pending))
     finally:
         pipe.close()
 
 
-@pytest.mark.parametrize("at", [0, 2])
-def test_a_loader_raising_on_one_rank_fails_every_rank_in_the_same_step(at: int) -> None:
+@pytest.mark.parametrize(("at", "interrupt"), [(0, False), (2, False), (2, True)])
+def test_a_loader_raising_on_one_rank_fails_every_rank_in_the_same_step(at: int, interrupt: bool) -> None:
     # The exception left progress() on its rank only; the peer waited in TorchRec's
     # input-dist all-to-all (no shuffler timeout covers it) until that process exited.
+    # A KeyboardInterrupt is raised as itself on its rank (and left that rank's
+    # used-up shuffle pending, so the next finish raised "already finished").
     skip_without_tbe("the example's sharded model")
-    outs = run_workers(_worker_loader_raises, 2, at, timeout=180)
-    why = "the data loader raised OSError: corrupt shard file (rank 1)"
-    for rank, (kind, msg, cause, waited) in enumerate(outs):
-        assert kind == "ValueError" and f"invalid shuffle input on rank(s) [1]: {why}" in msg, outs
+    outs = run_workers(_worker_loader_raises, 2, at, interrupt, timeout=180)
+    why = ("the data loader raised KeyboardInterrupt: ctrl-c (rank 1)" if interrupt
+           else "the data loader raised OSError: corrupt shard file (rank 1)")
+    for rank, (kind, msg, cause, waited, pending) in enumerate(outs):
+        if rank == 1 and interrupt:
+            assert kind == "KeyboardInterrupt" and msg == "ctrl-c", outs
+        else:
+            assert kind == "ValueError" and f"invalid shuffle input on rank(s) [1]: {why}" in msg, outs
+            assert cause == ("OSError" if rank == 1 else "NoneType"), outs  # the failing rank's is chained
         assert waited < 30, outs  # at once, not after a timeout
-        assert cause == ("OSError" if rank == 1 else "NoneType"), outs  # the failing rank's is chained
+        assert pending == 0, outs
 
 
 def _worker_flag_on_one_rank(rank: int, world: int, prefetch_on_rank0: bool = False) -> str:
