@@ -316,9 +316,13 @@ def test_the_pipeline_keeps_a_shuffle_pending_when_its_finish_is_interrupted() -
                 raise KeyboardInterrupt
             if len(calls) == 3:
                 raise ValueError("bad input on rank 1")
+            if len(calls) == 4:  # the shuffle's own outcome (this rank's loader's Ctrl-C): used up
+                handle._state.finished = True
+                raise KeyboardInterrupt
             return batch
 
-    batch, handle = make_batch(0, 4, 4, seed=0), types.SimpleNamespace(stats="stats")
+    batch = make_batch(0, 4, 4, seed=0)
+    handle = types.SimpleNamespace(stats="stats", _state=types.SimpleNamespace(finished=False))
     replaced: list[int] = []
     pipe = types.SimpleNamespace(
         _pending=collections.deque([_PendingShuffle(7, batch, handle)]),  # type: ignore[arg-type]
@@ -333,6 +337,10 @@ def test_the_pipeline_keeps_a_shuffle_pending_when_its_finish_is_interrupted() -
     assert not pipe._pending and replaced == [7] and pipe._stats == {7: "stats"} and calls == [handle] * 2
     pipe._pending.append(_PendingShuffle(8, batch, handle))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bad input"):  # an error uses the shuffle up
+        finish(pipe)  # type: ignore[arg-type]
+    assert not pipe._pending
+    pipe._pending.append(_PendingShuffle(9, batch, handle))  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):  # ... and so does an interrupt that was its outcome
         finish(pipe)  # type: ignore[arg-type]
     assert not pipe._pending
 
