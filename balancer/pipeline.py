@@ -59,7 +59,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -218,17 +218,26 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         step with a batch of no real sample; before its first batch there is none to
         take the layout of, and the shuffle is finished at once (as in
         :meth:`_ran_out`)."""
-        _, world, _ = _comm.resolve_group(self._shuffle_pg)
-        if not self._communicates or world == 1 or not isinstance(self._shuffler, BatchShuffler):
+        if self._alone() or not isinstance(self._shuffler, BatchShuffler):
             raise error  # no peer to tell (or nothing to tell them with)
         failed = NoBatch(f"the data loader raised {type(error).__name__}: {error}", error)
-        stand_in = None if self._template is None else padding_like(self._template)  # before the shuffle starts
-        handle = self._shuffler.start_shuffle_async(failed, pg=self._shuffle_pg)
-        if stand_in is None:
-            self._shuffler.finish_shuffle(failed, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
-            raise AssertionError("a shuffle of no batch finished")
-        self._started = handle
+        if self._template is None:
+            self._fail_everywhere(failed)
+        stand_in = padding_like(self._template)  # before the shuffle starts: nothing can fail after it
+        self._started = self._shuffler.start_shuffle_async(failed, pg=self._shuffle_pg)
         return stand_in
+
+    def _alone(self) -> bool:
+        """No peer to keep in step with: balancing off, or one rank."""
+        return not self._communicates or _comm.resolve_group(self._shuffle_pg)[1] == 1
+
+    def _fail_everywhere(self, none: NoBatch) -> NoReturn:
+        """Shuffle ``none`` and finish it at once: every rank raises its ``ValueError``
+        in the same step (finished here too: a process that raised at once could exit
+        before its peers have read it)."""
+        handle = self._shuffler.start_shuffle_async(none, pg=self._shuffle_pg)
+        self._shuffler.finish_shuffle(none, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
+        raise AssertionError("a shuffle of no batch finished")
 
     def _ran_out(self) -> Any:
         """This rank's loader is exhausted: ``None`` (the pass ends here, as in
@@ -238,20 +247,14 @@ class BalancedTrainPipelineSparseDist(TrainPipelineSparseDist):
         collectives stay in step. The pass ends on every rank at the first
         shuffle whose every rank was exhausted (its all-padding batch is
         dropped: :meth:`_drop_if_ended`)."""
-        _, world, rank = _comm.resolve_group(self._shuffle_pg)
-        if not self._communicates or world == 1:
+        if self._alone():
             return None
         if self._template is None:
-            # No batch to take the layout of: the shuffle tells every rank, and each
-            # raises its ValueError in the same step (finished here too: a process
-            # that raised at once could exit before its peers have read it), instead
-            # of leaving them in phase 1 until the timeout while this rank ends its
-            # pass alone.
-            none = NoBatch("the loader yielded no batch before this rank's first shuffle, so it has no layout "
-                           "to take part with; every rank's loader must yield a batch in the first pass")
-            handle = self._shuffler.start_shuffle_async(none, pg=self._shuffle_pg)
-            self._shuffler.finish_shuffle(none, handle, pg=self._shuffle_pg)  # type: ignore[type-var]
-            raise AssertionError("a shuffle of no batch finished")
+            # No batch to take the layout of: the shuffle tells every rank, instead of
+            # leaving them in phase 1 until the timeout while this rank ends its pass alone.
+            self._fail_everywhere(NoBatch("the loader yielded no batch before this rank's first shuffle, so it has "
+                                          "no layout to take part with; every rank's loader must yield a batch in "
+                                          "the first pass"))
         self._out = True
         batch = padding_like(self._template)
         with record_function("## balancer.pipeline.start_shuffle ##"):
