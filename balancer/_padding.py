@@ -13,6 +13,7 @@ from typing import TypeVar
 import torch
 
 from balancer._pinned import filled_like
+from balancer._torchrec import BATCH_TYPES
 from balancer.tokens import TokenBatch, pad_value
 
 __all__ = ["padding_like"]
@@ -45,5 +46,5 @@ def padding_like(batch: _T) -> _T:
             samples={k: filled_like(v) for k, v in tb.samples.items()}, actual_batch_size=0)
     base = sys.modules.get("balancer.batch")  # a BaseBatch exists only once its module is loaded
     if base is None or not isinstance(batch, base.BaseBatch):
-        raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a BaseBatch or a TokenBatch")
+        raise TypeError(f"padding_like: batch is a {type(batch).__name__}, expected a {BATCH_TYPES}")
     return base.base_padding(batch)  # type: ignore[no-any-return]

@@ -19,7 +19,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "batch_types", "require"]
+__all__ = ["BATCH_TYPES", "INSTALL_HINT", "batch_types", "require"]
 
 _BATCH_MODULE = "balancer.batch"
 
@@ -35,6 +35,11 @@ def _loaded_class(module: str, name: str) -> type[Any] | None:
     # and then nothing can be an instance of it either.
     cls = getattr(sys.modules.get(module), name, None)
     return cls if isinstance(cls, type) else None
+
+
+# How messages name the batch types, whichever :func:`batch_types` returns now
+# (it leaves BaseBatch out until balancer.batch is loaded).
+BATCH_TYPES = "BaseBatch or a TokenBatch"
 
 
 def batch_types() -> tuple[type[Any], ...]:

@@ -82,7 +82,7 @@ from balancer._protocol import (
 )
 from balancer._stats import ShuffleStats, build_stats
 from balancer._step import Step, plan_step
-from balancer._torchrec import batch_types
+from balancer._torchrec import BATCH_TYPES, batch_types
 from balancer._trust import replace_unchecked, trusted
 from balancer._version import __version__
 from balancer.config import (
@@ -111,7 +111,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BatchShuffler", "IdentityBatchShuffler", "ShuffleHandle", "ShuffleStats"]
 
-_EXPECTED = "BaseBatch or a TokenBatch"  # batch_types() leaves BaseBatch out until balancer.batch is loaded
 # Partition functions that are deterministic by construction: their plans are
 # not re-checked across ranks before phase 2 (the digest still travels with
 # the next shuffle's message).
@@ -381,7 +380,7 @@ class BatchShuffler(ShufflerBase):
         t0 = perf_counter()
         with record_function("## balancer.shuffle.phase1 ##"):
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=self._config_fp,
-                           base_type=batch_types(), expected=_EXPECTED,
+                           base_type=batch_types(), expected=BATCH_TYPES,
                            exhausted=not flag and bool(exhausted))
             # Raised here, on this rank alone, either would leave its peers in phase 1:
             if flag:
@@ -447,7 +446,7 @@ class BatchShuffler(ShufflerBase):
             if (w, rank) != (handle.world_size, handle.rank):
                 raise ValueError(f"finish_shuffle: group has W={w}, rank {rank}; handle "
                                  f"#{handle.seq} was started with W={handle.world_size}, rank {handle.rank}")
-            mismatch = batch_mismatch(batch, handle._meta, batch_types(), _EXPECTED)
+            mismatch = batch_mismatch(batch, handle._meta, batch_types(), BATCH_TYPES)
             if mismatch:
                 raise ValueError(f"finish_shuffle: {mismatch}; it is not the batch handle #{handle.seq} "
                                  "was started with")
@@ -877,7 +876,7 @@ class IdentityBatchShuffler(ShufflerBase):
         job, meta = None, LocalMeta(self._next_seq, rank, 0, exhausted=bool(exhausted))  # no workloads: the flag
         if self._workload_fn is not None:
             meta = capture(batch, self._workload_fn, seq=self._next_seq, rank=rank, config=0,
-                           base_type=batch_types(), expected=_EXPECTED, exhausted=bool(exhausted))
+                           base_type=batch_types(), expected=BATCH_TYPES, exhausted=bool(exhausted))
             job = self._pool().submit(self._local_job, meta, "identity")
         return self._register(ShuffleHandle(self._next_seq, 1, rank, perf_counter() - t0, self._token, job, meta))
 
